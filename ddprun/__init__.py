@@ -1,0 +1,3 @@
+"""ddprun: launch PyTorch DistributedDataParallel jobs that work the first time."""
+
+__version__ = "0.1.0"

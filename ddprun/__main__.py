@@ -1,0 +1,3 @@
+from ddprun.cli import main
+
+main()
