@@ -1,0 +1,149 @@
+"""The ddprun command line: parse, call pure functions, render, exit.
+
+This is the one place where a DdprunError becomes a message and an exit code.
+torch is never imported here: --help and --dry-run stay instant.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import uuid
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from typing_extensions import Annotated
+
+from ddprun import cluster, devices, preflight
+from ddprun.errors import DdprunError, UsageError
+from ddprun.plan import Entrypoint, LaunchOptions, LaunchPlan, build_plan
+
+app = typer.Typer(
+    name="ddprun",
+    help="Launch PyTorch DistributedDataParallel jobs that work the first time.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+
+PASSTHROUGH = {"allow_interspersed_args": False, "ignore_unknown_options": True}
+
+# --- options shared by every command that launches a job ------------------------------------
+
+Gpus = Annotated[Optional[str], typer.Option("--gpus", envvar="DDPRUN_GPUS", help="GPUs to use: a count N (the first N visible), 'all', or ordinals among the visible GPUs like 0,2. Default: all visible GPUs. The flag wins over DDPRUN_GPUS.", show_default=False)]
+Cpu = Annotated[bool, typer.Option("--cpu", help="Run CPU processes on gloo, even where GPUs exist.")]
+Nproc = Annotated[Optional[str], typer.Option("--nproc", envvar="DDPRUN_NPROC", help="Processes per node. Default: the number of selected GPUs, or 2 on CPU.", show_default=False)]
+Port = Annotated[Optional[str], typer.Option("--port", envvar="DDPRUN_PORT", help="Rendezvous port of a single-node job. Default: a free port that ddprun binds and holds.", show_default=False)]
+Nnodes = Annotated[Optional[str], typer.Option("--nnodes", help="Number of nodes N, or MIN:MAX for an elastic job. Detected under SLURM and Kubeflow; the flag wins.", show_default=False)]
+NodeRank = Annotated[Optional[str], typer.Option("--node-rank", help="This node's rank, 0 <= R < N, with --master.", show_default=False)]
+Master = Annotated[Optional[str], typer.Option("--master", help="HOST:PORT of node 0, for a fixed set of nodes (every node runs the same command).", show_default=False)]
+RdzvEndpoint = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d store, for an elastic job.", show_default=False)]
+RdzvId = Annotated[Optional[str], typer.Option("--rdzv-id", help="Rendezvous id shared by all nodes of a job. Default: unique per job.", show_default=False)]
+MaxRestarts = Annotated[str, typer.Option("--max-restarts", envvar="DDPRUN_MAX_RESTARTS", help="Restart the workers up to N times when one fails.")]
+LogDir = Annotated[Optional[str], typer.Option("--log-dir", envvar="DDPRUN_LOG_DIR", help="Keep every rank's stdout and stderr here. Default: a folder per job under the temp dir.", show_default=False)]
+Ranks = Annotated[Optional[str], typer.Option("--ranks", help="Global ranks whose output reaches the console, e.g. 0,3 (the log files keep all).", show_default=False)]
+GracePeriod = Annotated[str, typer.Option("--grace-period", envvar="DDPRUN_GRACE_PERIOD", help="Seconds the workers get to exit after Ctrl-C or SIGTERM before they are killed.")]
+JoinTimeout = Annotated[Optional[str], typer.Option("--join-timeout", help="Seconds to wait for all nodes to join before failing. Default: torch's 600.", show_default=False)]
+ForwardSignal = Annotated[Optional[List[str]], typer.Option("--forward-signal", help="Forward SIGUSR1, SIGUSR2 or SIGHUP to the workers (scheduler preemption notices). Repeatable.", show_default=False)]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Start nothing: print the equivalent torchrun command on stdout.")]
+AsJson = Annotated[bool, typer.Option("--json", help="With --dry-run: print the plan as JSON.")]
+
+
+def _launch_options(entrypoint: Entrypoint, flags: dict) -> LaunchOptions:
+    """Turn the raw strings of the shared options into validated LaunchOptions."""
+    return LaunchOptions(
+        entrypoint=entrypoint,
+        gpus=flags["gpus"],
+        cpu=flags["cpu"],
+        nproc=preflight.parse_int(flags["nproc"], flag="--nproc", example="2"),
+        port=cluster.parse_port(flags["port"]) if flags["port"] is not None else None,
+        cluster=cluster.ClusterFlags(
+            nnodes=flags["nnodes"],
+            node_rank=preflight.parse_int(flags["node_rank"], flag="--node-rank", example="0"),
+            master=flags["master"],
+            rdzv_endpoint=flags["rdzv_endpoint"],
+            rdzv_id=flags["rdzv_id"],
+        ),
+        max_restarts=preflight.parse_int(flags["max_restarts"], flag="--max-restarts", example="2"),
+        log_dir=preflight.check_log_dir(flags["log_dir"]),
+        ranks=preflight.parse_ranks(flags["ranks"]),
+        grace_period_s=preflight.parse_seconds(flags["grace_period"], flag="--grace-period"),
+        join_timeout_s=preflight.parse_seconds(flags["join_timeout"], flag="--join-timeout"),
+        forward_signals=tuple(s.upper() for s in flags["forward_signal"] or ()),
+    )
+
+
+def _plan(options: LaunchOptions) -> LaunchPlan:
+    return build_plan(
+        options,
+        env=os.environ,
+        inventory=[] if options.cpu else devices.read_inventory(),
+        cpu_count=os.cpu_count() or 1,
+        job_id=f"ddprun-{uuid.uuid4().hex[:12]}",
+        log_root=os.path.join(tempfile.gettempdir(), "ddprun"),
+    )
+
+
+def _launch_or_print(plan: LaunchPlan, *, dry_run: bool, as_json: bool) -> int:
+    if as_json and not dry_run:
+        raise UsageError("--json goes with --dry-run, e.g. ddprun run train.py --dry-run --json")
+    if dry_run:
+        print(plan.to_json() if as_json else plan.shell_command())
+        return 0
+    from ddprun import launch, panels
+
+    stderr.print(panels.render_plan(plan))
+    return launch.execute(plan, console=stderr)
+
+
+# --- commands -------------------------------------------------------------------------------
+
+
+@app.callback()
+def _root() -> None:
+    """Launch PyTorch DistributedDataParallel jobs that work the first time.
+
+    \b
+      ddprun train --gpus 2           the bundled DDP trainer
+      ddprun run train.py -- --lr 0.1 any script, launched properly
+      ddprun doctor                   is this machine ready for DDP?
+    """
+
+
+@app.command(context_settings=PASSTHROUGH)
+def run(
+    script: Annotated[str, typer.Argument(help="The script to run (or, with -m, the module). Everything after it is passed to it unchanged.", show_default=False)],
+    script_args: Annotated[Optional[List[str]], typer.Argument(help="Arguments for the script.", show_default=False)] = None,
+    module: Annotated[bool, typer.Option("-m", "--module", help="Run SCRIPT as a module, like python -m.")] = False,
+    gpus: Gpus = None, cpu: Cpu = False, nproc: Nproc = None, port: Port = None,
+    nnodes: Nnodes = None, node_rank: NodeRank = None, master: Master = None,
+    rdzv_endpoint: RdzvEndpoint = None, rdzv_id: RdzvId = None,
+    max_restarts: MaxRestarts = "0", log_dir: LogDir = None, ranks: Ranks = None,
+    grace_period: GracePeriod = "10", join_timeout: JoinTimeout = None, forward_signal: ForwardSignal = None,
+    dry_run: DryRun = False, as_json: AsJson = False,
+) -> None:
+    """Run any script (or module) on every rank, launched properly."""
+    entrypoint = preflight.check_entrypoint(Entrypoint(script, tuple(script_args or ()), is_module=module))
+    options = _launch_options(entrypoint, dict(locals()))
+    raise typer.Exit(_launch_or_print(_plan(options), dry_run=dry_run, as_json=as_json))
+
+
+def main() -> None:
+    """Console entry point: the only place a DdprunError becomes a message and an exit code."""
+    try:
+        app()
+    except DdprunError as error:
+        if os.environ.get("DDPRUN_DEBUG") == "1":
+            raise
+        stderr.print(f"[bold red]ddprun: error:[/] {escape(error.message)}")
+        if error.hint:
+            stderr.print(f"  [dim]hint:[/] {escape(error.hint)}")
+        sys.exit(error.exit_code)
+    except KeyboardInterrupt:
+        stderr.print("[bold red]ddprun:[/] interrupted.")
+        sys.exit(130)

@@ -1,0 +1,72 @@
+"""Where each rank's output goes: files named after the global rank, and a prefixed console copy.
+
+torch elastic asks a `LogsSpecs` for every (re)start of the workers, passing each local
+rank's environment (which holds its global RANK). Every rank's stdout and stderr always go
+to files under `<log_dir>/attempt_<n>/`; the console gets the ranks the user asked for,
+one whole line at a time, prefixed with `[rank G]` by torch's tailer.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+LINE_PREFIX_TEMPLATE = "[rank ${rank}] "
+
+
+@dataclass
+class Attempt:
+    """What one start of the workers wrote where, by global rank."""
+
+    number: int
+    directory: Path
+    global_ranks: dict[int, int] = field(default_factory=dict)  # local rank -> global rank
+
+    def stderr_log(self, rank: int) -> Path:
+        return self.directory / f"rank_{rank}.stderr.log"
+
+    def stdout_log(self, rank: int) -> Path:
+        return self.directory / f"rank_{rank}.stdout.log"
+
+    def error_file(self, rank: int) -> Path:
+        return self.directory / f"rank_{rank}.error.json"
+
+
+class RankLogsSpecs(LogsSpecs):
+    def __init__(self, log_dir: str, *, console_ranks: set[int] | None) -> None:
+        super().__init__(log_dir=log_dir)
+        self._console_ranks = console_ranks
+        self.attempts: list[Attempt] = []
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._root_log_dir)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        number = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0"))
+        attempt = Attempt(number, Path(self.root_log_dir) / f"attempt_{number}")
+        shutil.rmtree(attempt.directory, ignore_errors=True)  # a reused --log-dir must not mix runs
+        attempt.directory.mkdir(parents=True)
+        dest = LogsDest()
+        for local_rank, env in envs.items():
+            rank = int(env["RANK"])
+            attempt.global_ranks[local_rank] = rank
+            dest.stdouts[local_rank] = str(attempt.stdout_log(rank))
+            dest.stderrs[local_rank] = str(attempt.stderr_log(rank))
+            dest.error_files[local_rank] = str(attempt.error_file(rank))
+            env["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
+            if self._console_ranks is None or rank in self._console_ranks:
+                dest.tee_stdouts[local_rank] = dest.stdouts[local_rank]
+                dest.tee_stderrs[local_rank] = dest.stderrs[local_rank]
+        dest.filtered_stdout = os.devnull
+        dest.filtered_stderr = os.devnull
+        self.attempts.append(attempt)
+        return dest
+
+    @property
+    def current(self) -> Attempt | None:
+        return self.attempts[-1] if self.attempts else None

@@ -1,0 +1,33 @@
+"""The compact panel shown on stderr before a launch: what will run where."""
+
+from __future__ import annotations
+
+from rich.markup import escape
+from rich.panel import Panel
+from rich.table import Table
+
+from ddprun.plan import LaunchPlan
+
+
+def render_plan(plan: LaunchPlan) -> Panel:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    world = str(plan.world_size) if plan.world_size is not None else f"elastic, {plan.nnodes} nodes x {plan.nproc_per_node}"
+    table.add_row("world", f"{world} = {plan.nnodes} node(s) x {plan.nproc_per_node} process(es), backend {plan.backend}")
+    for local_rank, label in enumerate(plan.device_labels):
+        table.add_row("local rank " + str(local_rank), escape(label))
+    table.add_row("rendezvous", escape(_endpoint_text(plan)))
+    table.add_row("logs", escape(plan.log_dir))
+    for name in sorted(plan.source):
+        if plan.source[name] not in ("default", "flag"):
+            table.add_row("detected", escape(f"{name} from {plan.source[name]}"))
+    for notice in plan.notices:
+        table.add_row("note", escape(notice))
+    return Panel(table, title=f"ddprun: {escape(plan.entrypoint)}", title_align="left", expand=False)
+
+
+def _endpoint_text(plan: LaunchPlan) -> str:
+    if plan.endpoint.endswith(":0"):
+        return f"{plan.endpoint[:-2]} (a free port, held by ddprun), id {plan.rdzv_id}"
+    return f"{plan.endpoint}, id {plan.rdzv_id}"

@@ -1,0 +1,254 @@
+"""From what the user asked for to the exact torchrun invocation: a pure function and its value.
+
+`build_plan` reads nothing from the process: the environment, the GPU inventory and the
+core count are arguments, so every rule here is tested directly.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Sequence
+
+from ddprun import cluster, devices
+from ddprun.errors import UsageError
+
+LOOPBACK = "127.0.0.1"
+LOOPBACK_IFNAME = "lo"
+BOOTSTRAP_MODULE = "ddprun.worker.bootstrap"
+DEFAULT_CPU_PROCS = 2
+DEFAULT_GRACE_PERIOD_S = 10.0
+# The signals a scheduler sends before preemption; forwarded to workers only on request.
+FORWARDABLE_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
+@dataclass(frozen=True)
+class Entrypoint:
+    """The user's code: a script path or a module name, and its arguments, passed on untouched."""
+
+    target: str
+    args: tuple[str, ...] = ()
+    is_module: bool = False
+
+    def argv(self) -> list[str]:
+        return (["-m", self.target] if self.is_module else [self.target]) + list(self.args)
+
+    def describe(self) -> str:
+        return shlex.join((["-m"] if self.is_module else []) + [self.target, *self.args])
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Everything the user typed that shapes the launch. None means 'not given'."""
+
+    entrypoint: Entrypoint
+    gpus: str | None = None
+    cpu: bool = False
+    nproc: int | None = None
+    port: int | None = None
+    cluster: cluster.ClusterFlags = field(default_factory=cluster.ClusterFlags)
+    max_restarts: int = 0
+    log_dir: str | None = None
+    ranks: tuple[int, ...] | None = None
+    grace_period_s: float = DEFAULT_GRACE_PERIOD_S
+    join_timeout_s: float | None = None
+    forward_signals: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    torchrun_args: list[str]
+    env: dict[str, str]
+    nproc_per_node: int
+    nnodes: str
+    world_size: int | None  # None for an elastic MIN:MAX job: known only after rendezvous
+    backend: str
+    devices: list[str] | None
+    device_labels: list[str]
+    entrypoint: str
+    rdzv_id: str
+    endpoint: str
+    host_store: bool  # ddprun holds the store's listening socket (single node, or the store's node)
+    log_dir: str
+    ranks: list[int] | None
+    grace_period_s: float
+    forward_signals: list[str]
+    notices: list[str]
+    source: dict[str, str]
+
+    def shell_command(self) -> str:
+        """One copy-pasteable line: the environment ddprun adds, then torchrun."""
+        assignments = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
+        return " ".join([*assignments, "torchrun", *map(shlex.quote, self.torchrun_args)])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+@dataclass(frozen=True)
+class _Devices:
+    backend: str
+    nproc: int
+    selected: list[devices.VisibleGpu] | None
+    notices: list[str]
+
+
+def build_plan(
+    options: LaunchOptions,
+    *,
+    env: Mapping[str, str],
+    inventory: Sequence[devices.Gpu],
+    cpu_count: int,
+    job_id: str,
+    log_root: str,
+) -> LaunchPlan:
+    """Decide everything about the launch; raise UsageError for anything wrong with the request."""
+    _check_generic_options(options)
+    chosen = _choose_devices(options, env=env, inventory=inventory)
+    spec = cluster.detect_cluster(options.cluster, env)
+    world = _world_size(spec, chosen.nproc)
+    ranks = _check_ranks(options.ranks, world)
+    rdzv_id = str(spec.rdzv_id.value) if spec.rdzv_id else job_id
+    endpoint = _endpoint(spec, options.port)
+    worker_env = _worker_env(chosen, env=env, cpu_count=cpu_count, multi_node=spec.is_multi_node())
+    notices = chosen.notices + _env_notices(worker_env, env=env, cpu_count=cpu_count, nproc=chosen.nproc)
+    return LaunchPlan(
+        torchrun_args=_torchrun_args(options, spec=spec, nproc=chosen.nproc, rdzv_id=rdzv_id, endpoint=endpoint),
+        env=worker_env,
+        nproc_per_node=chosen.nproc,
+        nnodes=_nnodes_text(spec),
+        world_size=world,
+        backend=chosen.backend,
+        devices=[g.entry for g in chosen.selected] if chosen.selected is not None else None,
+        device_labels=_device_labels(chosen),
+        entrypoint=options.entrypoint.describe(),
+        rdzv_id=rdzv_id,
+        endpoint=endpoint,
+        host_store=spec.endpoint is None or _is_store_host(spec),
+        log_dir=options.log_dir or f"{log_root.rstrip('/')}/{rdzv_id}",
+        ranks=ranks,
+        grace_period_s=options.grace_period_s,
+        forward_signals=list(options.forward_signals),
+        notices=notices,
+        source=spec.sources(),
+    )
+
+
+def _check_generic_options(options: LaunchOptions) -> None:
+    if options.nproc is not None and options.nproc < 1:
+        raise UsageError(f"--nproc {options.nproc}: the number of processes per node must be at least 1, e.g. --nproc 2")
+    if options.cpu and options.gpus is not None:
+        raise UsageError("--cpu and --gpus exclude each other: use --cpu for CPU processes on gloo, or --gpus for GPUs on nccl")
+    if options.max_restarts < 0:
+        raise UsageError(f"--max-restarts {options.max_restarts}: must be 0 or more, e.g. --max-restarts 2")
+    if options.grace_period_s < 0:
+        raise UsageError(f"--grace-period {options.grace_period_s:g}: must be 0 or more seconds, e.g. --grace-period 10")
+    if options.join_timeout_s is not None and options.join_timeout_s <= 0:
+        raise UsageError(f"--join-timeout {options.join_timeout_s:g}: must be more than 0 seconds, e.g. --join-timeout 300")
+    for name in options.forward_signals:
+        if name not in FORWARDABLE_SIGNALS:
+            raise UsageError(f"--forward-signal {name}: choose from {', '.join(FORWARDABLE_SIGNALS)}")
+
+
+def _choose_devices(options: LaunchOptions, *, env: Mapping[str, str], inventory: Sequence[devices.Gpu]) -> _Devices:
+    if options.cpu:
+        return _Devices("gloo", options.nproc or DEFAULT_CPU_PROCS, None, [])
+    variable = env.get("CUDA_VISIBLE_DEVICES")
+    visible = devices.visible_gpus(variable, inventory)
+    if not visible and options.gpus is None:
+        nproc = options.nproc or DEFAULT_CPU_PROCS
+        why = "No GPU found" if not inventory else f"No GPU visible (CUDA_VISIBLE_DEVICES={variable!r})"
+        return _Devices("gloo", nproc, None, [f"{why}: running {nproc} CPU processes on gloo."])
+    request = options.gpus
+    if request is None and options.nproc is not None:
+        request = str(options.nproc)  # --nproc alone takes the first N visible GPUs
+    selected = devices.select_gpus(request, visible, cuda_visible_devices=variable)
+    nproc = options.nproc or len(selected)
+    if nproc != len(selected):
+        raise UsageError(
+            f"--nproc {nproc} with {len(selected)} selected GPU(s): NCCL needs exactly one GPU per process; "
+            f"use --nproc {len(selected)}, or --gpus {nproc}, or --cpu for CPU processes"
+        )
+    return _Devices("nccl", nproc, selected, [])
+
+
+def _world_size(spec: cluster.ClusterSpec, nproc: int) -> int | None:
+    if spec.min_nodes.value != spec.max_nodes.value:
+        return None
+    return int(spec.max_nodes.value) * nproc
+
+
+def _check_ranks(ranks: tuple[int, ...] | None, world: int | None) -> list[int] | None:
+    if ranks is None:
+        return None
+    limit = world if world is not None else None
+    for rank in ranks:
+        if rank < 0 or (limit is not None and rank >= limit):
+            raise UsageError(
+                f"--ranks {','.join(map(str, ranks))}: rank {rank} is outside the world of {limit} ranks (0-{limit - 1 if limit else 0}); "
+                f"e.g. --ranks 0"
+            )
+    return sorted(set(ranks))
+
+
+def _endpoint(spec: cluster.ClusterSpec, port: int | None) -> str:
+    if spec.endpoint is None:
+        return f"{LOOPBACK}:{port or 0}"  # port 0: ddprun binds a free port itself at launch
+    return str(spec.endpoint.value)
+
+
+def _is_store_host(spec: cluster.ClusterSpec) -> bool:
+    """The node of rank 0 of a fixed-membership job hosts the store (as torchrun's static rendezvous does)."""
+    return spec.rdzv_backend == "static" and int(spec.node_rank.value) == 0
+
+
+def _worker_env(chosen: _Devices, *, env: Mapping[str, str], cpu_count: int, multi_node: bool) -> dict[str, str]:
+    added: dict[str, str] = {}
+    if chosen.selected is not None:
+        added["CUDA_VISIBLE_DEVICES"] = devices.visible_devices_value(chosen.selected)
+        if "CUDA_DEVICE_ORDER" not in env:
+            added.update(devices.DEVICE_ORDER_ENV)
+    if "OMP_NUM_THREADS" not in env:
+        added["OMP_NUM_THREADS"] = str(max(1, cpu_count // chosen.nproc))
+    if not multi_node:
+        # Keep the workers' own sockets (gloo pairs, NCCL bootstrap) on loopback too.
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if name not in env:
+                added[name] = LOOPBACK_IFNAME
+    return added
+
+
+def _env_notices(added: Mapping[str, str], *, env: Mapping[str, str], cpu_count: int, nproc: int) -> list[str]:
+    if "OMP_NUM_THREADS" in added:
+        return [f"OMP_NUM_THREADS={added['OMP_NUM_THREADS']} ({cpu_count} cores / {nproc} processes); set it to override."]
+    return []
+
+
+def _device_labels(chosen: _Devices) -> list[str]:
+    if chosen.selected is None:
+        return [f"cpu (local rank {i})" for i in range(chosen.nproc)]
+    return [devices.describe_gpu(g, ordinal=i) for i, g in enumerate(chosen.selected)]
+
+
+def _nnodes_text(spec: cluster.ClusterSpec) -> str:
+    lo, hi = int(spec.min_nodes.value), int(spec.max_nodes.value)
+    return str(hi) if lo == hi else f"{lo}:{hi}"
+
+
+def _torchrun_args(
+    options: LaunchOptions, *, spec: cluster.ClusterSpec, nproc: int, rdzv_id: str, endpoint: str
+) -> list[str]:
+    args = ["--nnodes", _nnodes_text(spec), "--nproc-per-node", str(nproc)]
+    if spec.rdzv_backend == "static":
+        host, port = endpoint.rsplit(":", 1)
+        args += ["--node-rank", str(spec.node_rank.value), "--master-addr", host.strip("[]"), "--master-port", port]
+        args += ["--rdzv-backend", "static", "--rdzv-id", rdzv_id]
+    else:
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
+    if spec.endpoint is None:
+        args += ["--local-addr", LOOPBACK]
+    if options.join_timeout_s is not None:
+        args += ["--rdzv-conf", f"join_timeout={int(options.join_timeout_s)}"]
+    args += ["--max-restarts", str(options.max_restarts)]
+    return args + ["-m", BOOTSTRAP_MODULE, *options.entrypoint.argv()]

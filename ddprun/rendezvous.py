@@ -1,0 +1,117 @@
+"""Race-free rendezvous: ddprun binds the store's socket itself and never lets go of it.
+
+torchrun picks a port, releases it and binds it again, so two jobs started together can
+collide or join each other's store; and its stores listen on every interface. Here the
+launcher binds the endpoint's own address (loopback for one node), hands the bound socket
+to a TCPStore through `master_listen_fd`, and keeps it for the job's whole life. torch's
+rendezvous code then finds that server through TCPStore's multi-tenant cache instead of
+binding again. The second store torch makes for the workers is kept on the same address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import socket
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from ddprun import portinfo
+from ddprun.errors import UsageError
+
+# The registered rendezvous backend: torch's c10d handler, with its worker store kept local.
+BACKEND_NAME = "ddprun-c10d"
+_LISTEN_BACKLOG = 2048
+
+
+@dataclass
+class HeldStore:
+    host: str
+    port: int
+    store: Any  # torch.distributed.TCPStore
+    sock: socket.socket
+
+
+def bind_listener(host: str, port: int, *, flag: str = "--port") -> socket.socket:
+    """Bind and listen on host:port (0 = any free port). A taken port is a usage error naming its holder."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # SO_REUSEADDR only skips TIME_WAIT leftovers; Linux still refuses a port someone listens on.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(_LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise UsageError(_port_taken_message(host, port, flag=flag)) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise UsageError(f"{host} is not an address of this machine, so its store cannot listen there") from None
+        raise
+    return sock
+
+
+def _port_taken_message(host: str, port: int, *, flag: str) -> str:
+    holder = portinfo.port_holder(port)
+    held_by = f", held by {holder}" if holder else ""
+    return f"{flag} {port}: the port is already in use on {host}{held_by}. Use another port, e.g. {flag} {port + 1}"
+
+
+def serve_store(sock: socket.socket, *, host: str) -> Any:
+    """A multi-tenant TCPStore server on an already-listening socket."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        host, sock.getsockname()[1], is_master=True, multi_tenant=True,
+        wait_for_workers=False, master_listen_fd=sock.fileno(),
+    )
+
+
+@contextlib.contextmanager
+def hold_store(host: str, port: int, *, flag: str = "--port") -> Iterator[HeldStore]:
+    """Host the rendezvous store on host:port for the duration of the job."""
+    sock = bind_listener(host, port, flag=flag)
+    try:
+        store = serve_store(sock, host=host)
+        yield HeldStore(host=host, port=sock.getsockname()[1], store=store, sock=sock)
+    finally:
+        sock.close()
+
+
+class _LocalStoreHandlerFactory:
+    """Creates torch's c10d handler, with the workers' store bound to one address (a registry creator)."""
+
+    def __init__(self) -> None:
+        self.bind_host = "127.0.0.1"
+        self.sockets: list[socket.socket] = []  # kept open for the job's life, like the stores
+
+    def __call__(self, params: Any) -> Any:
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+        backend, store = create_backend(params)
+        handler = create_handler(store, backend, params)
+        # torch makes the workers' store with TCPStore(addr, 0), which listens on every
+        # interface. Give it a socket already bound to our address instead. If a torch
+        # release renames this hook, fail loudly rather than silently listen on '*'.
+        if not hasattr(handler, "_create_tcp_store_server"):
+            raise RuntimeError("this torch release has no DynamicRendezvousHandler._create_tcp_store_server")
+        handler._create_tcp_store_server = self._worker_store
+        return handler
+
+    def _worker_store(self, master_addr: str, master_port: int) -> Any:
+        sock = bind_listener(self.bind_host, master_port)
+        self.sockets.append(sock)
+        return serve_store(sock, host=master_addr)
+
+
+_FACTORY = _LocalStoreHandlerFactory()
+
+
+def register_backend(*, bind_host: str) -> str:
+    """Register (once per process) the c10d handler whose worker store listens on `bind_host` only."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    _FACTORY.bind_host = bind_host
+    rendezvous_handler_registry.register(BACKEND_NAME, _FACTORY)
+    return BACKEND_NAME

@@ -1,0 +1,141 @@
+"""What torchrun starts in every rank: guard against orphaning, then run the user's code as __main__.
+
+Usage: python -m ddprun.worker.bootstrap SCRIPT [ARGS...]
+       python -m ddprun.worker.bootstrap -m MODULE [ARGS...]
+
+An uncaught exception is written to torch elastic's error file (TORCHELASTIC_ERROR_FILE) in the
+format `torch.distributed.elastic.multiprocessing.errors.record` writes, so no user script needs
+decorating. torch is not imported here: a script that never imports torch starts fast.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+from types import TracebackType
+
+LAUNCHER_PID_ENV = "DDPRUN_LAUNCHER_PID"
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+_PR_SET_PDEATHSIG = 1
+_USAGE = "usage: python -m ddprun.worker.bootstrap SCRIPT [ARGS...] | -m MODULE [ARGS...]"
+# Frames of this file and of runpy sit above the user's code in every traceback; hide them.
+_LAUNCH_FILES = frozenset({os.path.abspath(__file__), runpy.__file__, "<frozen runpy>"})
+
+
+def die_with_launcher() -> None:
+    """Ask the kernel to SIGKILL this process when the thread that spawned it dies.
+
+    The launcher spawns workers from its main thread, so the signal follows the launcher
+    itself. The parent may already be gone before prctl runs, hence the getppid check.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    expected = os.environ.get(LAUNCHER_PID_ENV)
+    if expected and os.getppid() != int(expected):
+        os._exit(128 + signal.SIGKILL)
+
+
+def run_user_code(argv: list[str]) -> None:
+    """Run a script or `-m module` exactly as `python` would, with sys.argv set for it."""
+    if argv[:1] == ["-m"]:
+        module, args = argv[1], argv[2:]
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        script, args = argv[0], argv[1:]
+        sys.argv = [script, *args]
+        # `python -m` put the working directory first; `python script.py` puts the script's own.
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+def error_record(exc: BaseException, *, now: float) -> dict:
+    """The JSON torch's ErrorHandler.record_exception writes, plus a millisecond timestamp.
+
+    torch reads only message.extraInfo.timestamp (whole seconds); ranks failing within the
+    same second are ordered by the extra `timestamp_ms` key.
+    """
+    return {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(
+                    traceback.format_exception(type(exc), exc, exc.__traceback__)
+                ),
+                "timestamp": str(int(now)),
+                "timestamp_ms": str(int(now * 1000)),
+            },
+        }
+    }
+
+
+def user_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """Drop the leading frames of this bootstrap and runpy, as `python script.py` shows none."""
+    while tb is not None and tb.tb_frame.f_code.co_filename in _LAUNCH_FILES:
+        tb = tb.tb_next
+    return tb
+
+
+def _file_state(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
+
+
+def write_error_file(path: str, exc: BaseException) -> None:
+    """Record `exc`; a failure to write must never hide the user's own exception.
+
+    Written to a temporary file, then renamed: the agent's SIGTERM can land mid-write, and
+    torch's agent crashes on a truncated error file (JSONDecodeError in ProcessFailure).
+    """
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as fp:
+            json.dump(error_record(exc, now=time.time()), fp)
+        os.replace(tmp, path)
+    except OSError as err:
+        print(f"ddprun: could not write error file {path}: {err}", file=sys.stderr)
+
+
+def _enable_faulthandler() -> None:
+    # As torch's ErrorHandler.initialize does: a segfault then leaves a Python stack on stderr.
+    try:
+        faulthandler.enable(all_threads=True)
+    except (RuntimeError, ValueError, OSError):
+        pass
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if not argv or argv == ["-m"]:
+        print(_USAGE, file=sys.stderr)
+        raise SystemExit(2)
+    die_with_launcher()
+    _enable_faulthandler()
+    error_file = os.environ.get(ERROR_FILE_ENV) or None
+    before = _file_state(error_file) if error_file else None
+    try:
+        run_user_code(argv)
+    except Exception as exc:  # SystemExit and KeyboardInterrupt pass through untouched
+        exc.__traceback__ = user_traceback(exc.__traceback__)
+        # A user's own @record has already written the file; keep theirs, as torch does.
+        if error_file and _file_state(error_file) == before:
+            write_error_file(error_file, exc)
+        # What Python does with an uncaught exception, without our frames on top of it.
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

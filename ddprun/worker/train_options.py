@@ -1,0 +1,283 @@
+"""Options of the bundled trainer: one frozen value, checked before any process starts.
+
+This module must stay importable without torch: the CLI uses it for --help and
+--dry-run. The worker receives the options as argv (`to_argv`) and parses them
+back with `from_argv`, so both sides agree on one definition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from ddprun.errors import UsageError
+
+SMALL_MODELS = ("mlp", "cnn")
+# torchvision classification models known to train here, listed without importing torchvision.
+TORCHVISION_MODELS = (
+    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+    "wide_resnet50_2", "resnext50_32x4d",
+    "mobilenet_v2", "mobilenet_v3_small", "mobilenet_v3_large",
+    "efficientnet_b0", "efficientnet_b1", "efficientnet_v2_s",
+    "regnet_y_400mf", "regnet_y_800mf",
+    "convnext_tiny", "convnext_small",
+    "densenet121", "shufflenet_v2_x1_0", "squeezenet1_1",
+    "vgg11_bn", "vgg16_bn", "alexnet",
+    "vit_b_16", "vit_b_32", "swin_t", "swin_v2_t",
+)
+MODEL_CHOICES = SMALL_MODELS + TORCHVISION_MODELS
+
+# Smallest --image-size each model's downsampling survives (measured); 8 otherwise, 4 for mlp/cnn.
+_MIN_IMAGE_SIZE = {
+    "mlp": 4, "cnn": 4,
+    "convnext_tiny": 32, "convnext_small": 32, "densenet121": 32,
+    "squeezenet1_1": 32, "vgg11_bn": 32, "vgg16_bn": 32, "alexnet": 64,
+}
+# Vision transformers cut the image into patches of this size.
+_PATCH_SIZE = {"vit_b_16": 16, "vit_b_32": 32}
+
+DATA_KINDS = ("synthetic", "fake")
+OPTIMIZERS = ("sgd", "adamw")
+AMP_CHOICES = ("off", "bf16", "fp16")
+COMPRESSION_CHOICES = ("none", "bf16", "fp16")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+CHECKPOINT_NAME = "last.pt"
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Every option of `ddprun train`'s worker. None means "the sensible default for this run"."""
+
+    model: str = "resnet18"
+    data: str = "synthetic"  # synthetic | fake | PATH to an ImageFolder tree
+    image_size: int = 224
+    num_classes: Optional[int] = None  # None: inferred from PATH, else 1000
+    dataset_size: int = 2048  # samples per epoch for synthetic and fake data
+    epochs: int = 1
+    max_steps: Optional[int] = None  # optimizer steps; stops early when reached
+    batch_size: int = 32  # per process
+    lr: Optional[float] = None  # None: 0.1 for sgd, 0.001 for adamw
+    optimizer: str = "sgd"
+    weight_decay: Optional[float] = None  # None: 0 for sgd, 0.01 for adamw
+    amp: str = "off"
+    channels_last: bool = False
+    compile: bool = False
+    grad_accum: int = 1
+    sync_bn: bool = False
+    workers: int = 2
+    seed: int = 0
+    checkpoint_dir: Optional[str] = None
+    resume: bool = False
+    save_every: int = 1  # epochs
+    metrics_json: Optional[str] = None
+    log_interval: float = 10.0  # seconds between plain progress lines
+    bucket_cap_mb: float = 25.0
+    grad_compression: str = "none"
+    static_graph: bool = False
+    collective_timeout: float = 300.0  # seconds
+
+    @property
+    def checkpoint_path(self) -> Optional[str]:
+        if self.checkpoint_dir is None:
+            return None
+        return os.path.join(self.checkpoint_dir, CHECKPOINT_NAME)
+
+    @property
+    def is_path_data(self) -> bool:
+        return self.data not in DATA_KINDS
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainOptions)}
+_DEFAULTS = TrainOptions()
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _field_type(name: str) -> type:
+    annotation = str(_FIELDS[name].type)
+    for kind in (bool, int, float, str):
+        if kind.__name__ in annotation:
+            return kind
+    raise TypeError(f"unsupported option type {annotation!r} for {name}")
+
+
+def to_argv(opts: TrainOptions) -> list[str]:
+    """The worker's argv for `opts`: only values that differ from the defaults, in field order."""
+    argv: list[str] = []
+    for name in _FIELDS:
+        value = getattr(opts, name)
+        if value == getattr(_DEFAULTS, name):
+            continue
+        if isinstance(value, bool):
+            argv.append(_flag(name) if value else "--no-" + name.replace("_", "-"))
+        elif value is None:
+            argv.append(f"{_flag(name)}=none")
+        else:
+            # --flag=value keeps values that start with "-" (paths) from reading as flags
+            argv.append(f"{_flag(name)}={value!r}" if isinstance(value, float) else f"{_flag(name)}={value}")
+    return argv
+
+
+def _optional(kind: type):
+    def parse(text: str):
+        return None if text.lower() == "none" else kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ddprun.worker.train", description="ddprun's bundled DDP trainer")
+    for name, field in _FIELDS.items():
+        kind = _field_type(name)
+        if kind is bool:
+            parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, default=field.default)
+        elif "Optional" in str(field.type):
+            parser.add_argument(_flag(name), type=_optional(kind), default=field.default)
+        else:
+            parser.add_argument(_flag(name), type=kind, default=field.default)
+    return parser
+
+
+def from_argv(argv: Sequence[str]) -> TrainOptions:
+    """Parse the worker's argv (as written by `to_argv`); argparse exits 2 on malformed input."""
+    namespace = build_parser().parse_args(list(argv))
+    return TrainOptions(**vars(namespace))
+
+
+def validate(opts: TrainOptions, *, world_size: Optional[int] = None) -> None:
+    """Raise UsageError for anything that would fail after processes start.
+
+    `world_size`, when known, also checks that synthetic/fake data gives every
+    process at least one full step per epoch.
+    """
+    _check_numbers(opts)
+    _check_choices(opts)
+    _check_image_size(opts)
+    if opts.is_path_data:
+        _check_image_folder(opts)
+    _check_run_control(opts)
+    if world_size is not None:
+        _check_world(opts, world_size)
+
+
+def _positive(value, flag: str, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = "0 or more" if allow_zero else "at least 1" if isinstance(value, int) else "greater than 0"
+        raise UsageError(f"{flag} {value} is invalid: it must be {bound}")
+
+
+def _check_numbers(opts: TrainOptions) -> None:
+    for name in ("image_size", "num_classes", "dataset_size", "epochs", "max_steps", "batch_size",
+                 "grad_accum", "save_every"):
+        _positive(getattr(opts, name), _flag(name))
+    for name in ("lr", "log_interval", "bucket_cap_mb", "collective_timeout"):
+        _positive(getattr(opts, name), _flag(name))
+    _positive(opts.workers, "--workers", allow_zero=True)
+    _positive(opts.weight_decay, "--weight-decay", allow_zero=True)
+    if opts.num_classes == 1:
+        raise UsageError("--num-classes 1 is invalid: classification needs at least 2 classes")
+    if not 0 <= opts.seed < 2**32:
+        raise UsageError(f"--seed {opts.seed} is invalid: it must be between 0 and {2**32 - 1}")
+
+
+def _check_choices(opts: TrainOptions) -> None:
+    if opts.model not in MODEL_CHOICES:
+        raise UsageError(f"unknown model {opts.model!r}", hint="choose one of: " + ", ".join(MODEL_CHOICES))
+    for flag, value, choices in (("--optimizer", opts.optimizer, OPTIMIZERS), ("--amp", opts.amp, AMP_CHOICES),
+                                 ("--grad-compression", opts.grad_compression, COMPRESSION_CHOICES)):
+        if value not in choices:
+            raise UsageError(f"{flag} {value!r} is not one of: {', '.join(choices)}")
+
+
+def _check_image_size(opts: TrainOptions) -> None:
+    smallest = _MIN_IMAGE_SIZE.get(opts.model, 8)
+    if opts.image_size < smallest:
+        raise UsageError(f"--image-size {opts.image_size} is too small for {opts.model}",
+                         hint=f"use --image-size {smallest} or more")
+    patch = _PATCH_SIZE.get(opts.model)
+    if patch and opts.image_size % patch:
+        size = max(patch, opts.image_size // patch * patch)
+        raise UsageError(f"--image-size {opts.image_size} is not a multiple of {opts.model}'s patch size {patch}",
+                         hint=f"use --image-size {size}")
+
+
+def _check_run_control(opts: TrainOptions) -> None:
+    if opts.checkpoint_dir is not None and os.path.exists(opts.checkpoint_dir) \
+            and not os.path.isdir(opts.checkpoint_dir):
+        raise UsageError(f"--checkpoint-dir {opts.checkpoint_dir} exists and is not a directory")
+    if opts.resume:
+        if opts.checkpoint_dir is None:
+            raise UsageError("--resume needs --checkpoint-dir DIR (the directory holding last.pt)")
+        if not os.path.isfile(opts.checkpoint_path):
+            raise UsageError(f"--resume: no checkpoint at {opts.checkpoint_path}",
+                             hint="run without --resume first, or point --checkpoint-dir at the run's directory")
+    if opts.metrics_json is not None:
+        parent = os.path.dirname(os.path.abspath(opts.metrics_json))
+        if not os.path.isdir(parent):
+            raise UsageError(f"--metrics-json {opts.metrics_json}: directory {parent} does not exist")
+
+
+def _check_world(opts: TrainOptions, world_size: int) -> None:
+    if opts.is_path_data:
+        return  # counting files of a large tree is the worker's job
+    per_step = world_size * opts.batch_size * opts.grad_accum
+    if opts.dataset_size < per_step:
+        raise UsageError(
+            f"--dataset-size {opts.dataset_size} is smaller than one step of {per_step} samples "
+            f"({world_size} processes x --batch-size {opts.batch_size} x --grad-accum {opts.grad_accum})",
+            hint=f"use --dataset-size {per_step} or more, or a smaller --batch-size",
+        )
+
+
+def image_folder_roots(data: str) -> tuple[str, Optional[str]]:
+    """(train root, val root or None) of an ImageFolder tree: PATH/train + PATH/val, or PATH itself."""
+    train = os.path.join(data, "train")
+    if os.path.isdir(train):
+        val = os.path.join(data, "val")
+        return train, (val if os.path.isdir(val) else None)
+    return data, None
+
+
+def _check_image_folder(opts: TrainOptions) -> None:
+    if not os.path.exists(opts.data):
+        raise UsageError(f"--data {opts.data}: no such directory",
+                         hint="use --data synthetic, --data fake, or a path to an ImageFolder tree")
+    if not os.path.isdir(opts.data):
+        raise UsageError(f"--data {opts.data} is not a directory (expected an ImageFolder tree)")
+    train, val = image_folder_roots(opts.data)
+    classes = class_folders(train)
+    if opts.num_classes is not None and opts.num_classes != len(classes):
+        raise UsageError(f"--num-classes {opts.num_classes} does not match the {len(classes)} class folders "
+                         f"in {train}", hint="leave --num-classes out: it is inferred from the tree")
+    if val is not None and class_folders(val) != classes:
+        raise UsageError(f"{val} and {train} have different class folders",
+                         hint="give val/ the same class subfolders as train/")
+
+
+def class_folders(root: str) -> list[str]:
+    """Sorted class folder names of an ImageFolder root; UsageError when it is empty or a class has no image."""
+    names = sorted(entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith("."))
+    if not names:
+        raise UsageError(f"--data: {root} has no class folders",
+                         hint="an ImageFolder tree looks like ROOT/train/CLASS/image.png (or ROOT/CLASS/image.png)")
+    for name in names:
+        if not _has_image(os.path.join(root, name)):
+            raise UsageError(f"--data: class folder {os.path.join(root, name)} holds no image files",
+                             hint="image files end in " + " ".join(IMAGE_EXTENSIONS))
+    return names
+
+
+def _has_image(folder: str) -> bool:
+    """True at the first image found (ImageFolder also looks into subfolders), so large trees stay quick."""
+    for dirpath, _dirnames, filenames in os.walk(folder, followlinks=True):
+        if any(name.lower().endswith(IMAGE_EXTENSIONS) for name in filenames):
+            return True
+    return False

@@ -1,0 +1,45 @@
+"""Shared fixtures: the installed `ddprun` command, a CPU-only environment, tiny worker scripts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+SCRIPTS = TESTS / "scripts"
+
+
+def ddprun_command() -> list[str]:
+    """The installed console script, next to this interpreter (a venv's bin/) or on PATH."""
+    beside = Path(sys.executable).with_name("ddprun")
+    found = str(beside) if beside.exists() else shutil.which("ddprun")
+    if not found:
+        pytest.fail("the ddprun command is not installed: pip install -e '.[test]'")
+    return [found]
+
+
+@pytest.fixture(scope="session")
+def ddprun() -> list[str]:
+    return ddprun_command()
+
+
+@pytest.fixture
+def cpu_env(tmp_path: Path) -> dict[str, str]:
+    """An environment in which no GPU exists (a stub-free PATH entry first, no CUDA_VISIBLE_DEVICES)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPRUN_", "SLURM_", "PET_"))}
+    for name in ("CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "OMP_NUM_THREADS"):
+        env.pop(name, None)
+    env["OUT_DIR"] = str(tmp_path / "out")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_ddprun(args: list[str], *, env: dict[str, str], timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ddprun_command() + args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    )

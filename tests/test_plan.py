@@ -1,0 +1,169 @@
+"""build_plan is pure: every rule is checked here on given env, inventory and core counts."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from ddprun.devices import Gpu
+from ddprun.errors import UsageError
+from ddprun.plan import Entrypoint, LaunchOptions, build_plan
+
+FOUR = [Gpu(i, f"GPU-{i}aaaaaaa-0000-0000-0000-00000000000{i}", "NVIDIA H100", 81559) for i in range(4)]
+SCRIPT = Entrypoint("train.py", ("--lr", "0.1"))
+
+
+def plan(env=None, inventory=(), cpu_count=8, **options):
+    return build_plan(
+        LaunchOptions(entrypoint=options.pop("entrypoint", SCRIPT), **options),
+        env=env or {}, inventory=list(inventory), cpu_count=cpu_count, job_id="job-1", log_root="/tmp/ddprun",
+    )
+
+
+def test_no_gpu_runs_two_cpu_processes_on_gloo_and_says_so():
+    p = plan()
+    assert (p.backend, p.nproc_per_node, p.world_size, p.devices) == ("gloo", 2, 2, None)
+    assert any("No GPU found" in n for n in p.notices)
+
+
+def test_all_visible_gpus_by_default_on_nccl():
+    p = plan(inventory=FOUR)
+    assert (p.backend, p.nproc_per_node, p.devices) == ("nccl", 4, ["0", "1", "2", "3"])
+    assert p.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert p.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+def test_ordinals_are_translated_to_what_the_variable_held():
+    p = plan(env={"CUDA_VISIBLE_DEVICES": "3,1,2"}, inventory=FOUR, gpus="0,2")
+    assert p.devices == ["3", "2"]
+    assert p.env["CUDA_VISIBLE_DEVICES"] == "3,2"
+    assert p.device_labels[0].startswith("cuda:0 = GPU 3")
+
+
+def test_gpu_count_takes_the_first_n_visible():
+    assert plan(inventory=FOUR, gpus="2").devices == ["0", "1"]
+
+
+def test_nproc_alone_takes_the_first_n_gpus():
+    assert plan(inventory=FOUR, nproc=2).devices == ["0", "1"]
+
+
+def test_more_gpus_than_visible_says_what_to_type():
+    with pytest.raises(UsageError) as err:
+        plan(env={"CUDA_VISIBLE_DEVICES": "0,1"}, inventory=FOUR, gpus="3")
+    assert "3 GPUs requested, but CUDA_VISIBLE_DEVICES=0,1 exposes 2: use --gpus 2" in err.value.message
+
+
+def test_nproc_must_match_the_selected_gpus():
+    with pytest.raises(UsageError, match="one GPU per process"):
+        plan(inventory=FOUR, gpus="2", nproc=4)
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "abc", "0,0", "0,9"])
+def test_bad_gpu_requests(bad):
+    with pytest.raises(UsageError):
+        plan(inventory=FOUR, gpus=bad)
+
+
+def test_cpu_flag_wins_over_gpus_present_and_ignores_them():
+    p = plan(inventory=FOUR, cpu=True, nproc=3)
+    assert (p.backend, p.nproc_per_node, p.devices) == ("gloo", 3, None)
+    assert "CUDA_VISIBLE_DEVICES" not in p.env
+
+
+def test_cpu_and_gpus_exclude_each_other():
+    with pytest.raises(UsageError, match="--cpu and --gpus"):
+        plan(cpu=True, gpus="1")
+
+
+def test_nproc_zero():
+    with pytest.raises(UsageError, match="--nproc 0"):
+        plan(nproc=0)
+
+
+def test_malformed_visible_devices_is_an_error_even_without_gpus():
+    with pytest.raises(UsageError, match="CUDA_VISIBLE_DEVICES"):
+        plan(env={"CUDA_VISIBLE_DEVICES": "0,0"})
+
+
+def test_visible_devices_hiding_every_gpu_falls_back_to_cpu():
+    p = plan(env={"CUDA_VISIBLE_DEVICES": "-1"}, inventory=FOUR)
+    assert p.backend == "gloo" and "No GPU visible" in p.notices[0]
+
+
+@pytest.mark.parametrize("cores,nproc,expected", [(8, 2, "4"), (2, 2, "1"), (1, 4, "1"), (16, 3, "5")])
+def test_omp_threads_split_the_cores(cores, nproc, expected):
+    p = plan(cpu_count=cores, nproc=nproc)
+    assert p.env["OMP_NUM_THREADS"] == expected
+    assert any("OMP_NUM_THREADS" in n for n in p.notices)
+
+
+def test_omp_threads_set_by_the_user_is_kept():
+    p = plan(env={"OMP_NUM_THREADS": "3"})
+    assert "OMP_NUM_THREADS" not in p.env
+
+
+def test_single_node_rendezvous_is_c10d_on_loopback_with_a_unique_id():
+    p = plan(port=29600)
+    args = p.torchrun_args
+    assert args[args.index("--rdzv-backend") + 1] == "c10d"
+    assert args[args.index("--rdzv-endpoint") + 1] == "127.0.0.1:29600"
+    assert args[args.index("--rdzv-id") + 1] == "job-1"
+    assert args[args.index("--local-addr") + 1] == "127.0.0.1"
+    assert p.host_store and p.env["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+def test_without_port_the_endpoint_asks_for_any_free_port():
+    assert plan().endpoint == "127.0.0.1:0"
+
+
+def test_script_arguments_pass_through_unchanged_after_the_bootstrap():
+    entry = Entrypoint("train.py", ("--gpus", "3", "--", "--nproc", "x y"))
+    args = plan(entrypoint=entry).torchrun_args
+    tail = args[args.index("ddprun.worker.bootstrap") + 1:]
+    assert tail == ["train.py", "--gpus", "3", "--", "--nproc", "x y"]
+
+
+def test_module_entrypoint():
+    args = plan(entrypoint=Entrypoint("pkg.train", ("a",), is_module=True)).torchrun_args
+    assert args[-5:] == ["-m", "ddprun.worker.bootstrap", "-m", "pkg.train", "a"]
+
+
+def test_shell_command_is_one_copy_pasteable_line():
+    p = plan(entrypoint=Entrypoint("my train.py", ("a b",)))
+    line = p.shell_command()
+    assert "\n" not in line
+    words = shlex.split(line)
+    assert words[:3] == ["GLOO_SOCKET_IFNAME=lo", "NCCL_SOCKET_IFNAME=lo", "OMP_NUM_THREADS=4"]
+    assert words[3] == "torchrun" and words[-2:] == ["my train.py", "a b"]
+
+
+def test_json_has_the_documented_keys():
+    data = json.loads(plan(inventory=FOUR, gpus="2").to_json())
+    for key in ("torchrun_args", "env", "nproc_per_node", "nnodes", "world_size", "backend", "devices", "entrypoint"):
+        assert key in data
+    assert data["devices"] == ["0", "1"] and data["backend"] == "nccl" and data["world_size"] == 2
+
+
+@pytest.mark.parametrize("ranks", [(2,), (0, 5), (-1,)])
+def test_ranks_outside_the_world(ranks):
+    with pytest.raises(UsageError, match="outside the world"):
+        plan(ranks=ranks)
+
+
+@pytest.mark.parametrize(
+    "option,value,message",
+    [("max_restarts", -1, "--max-restarts -1"), ("grace_period_s", -1.0, "--grace-period -1"),
+     ("join_timeout_s", 0.0, "--join-timeout 0"), ("forward_signals", ("SIGKILL",), "--forward-signal SIGKILL")],
+)
+def test_bad_lifecycle_options(option, value, message):
+    with pytest.raises(UsageError, match=message):
+        plan(**{option: value})
+
+
+def test_max_restarts_and_join_timeout_reach_torchrun():
+    args = plan(max_restarts=2, join_timeout_s=30.0).torchrun_args
+    assert args[args.index("--max-restarts") + 1] == "2"
+    assert args[args.index("--rdzv-conf") + 1] == "join_timeout=30"
