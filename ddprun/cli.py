@@ -97,8 +97,7 @@ def _launch_or_print(plan: LaunchPlan, *, dry_run: bool, as_json: bool) -> int:
         return 0
     from ddprun import launch, panels
 
-    stderr.print(panels.render_plan(plan))
-    return launch.execute(plan, console=stderr)
+    return launch.execute(plan, console=stderr, announce=lambda: stderr.print(panels.render_plan(plan)))
 
 
 # --- commands -------------------------------------------------------------------------------
@@ -128,7 +127,7 @@ def run(
     dry_run: DryRun = False, as_json: AsJson = False,
 ) -> None:
     """Run any script (or module) on every rank, launched properly."""
-    entrypoint = preflight.check_entrypoint(Entrypoint(script, tuple(script_args or ()), is_module=module))
+    entrypoint = preflight.check_entrypoint(Entrypoint(script, preflight.script_args(script_args), is_module=module))
     options = _launch_options(entrypoint, dict(locals()))
     raise typer.Exit(_launch_or_print(_plan(options), dry_run=dry_run, as_json=as_json))
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
-from typing import Generic, Iterator, Mapping, TypeVar
+from typing import Generic, Iterator, List, Mapping, NamedTuple, TypeVar, Union
 
 from ddprun.errors import UsageError
 
 DEFAULT_PORT = 29500
 
-# SLURM refuses ranges longer than this (hostlist.c MAX_RANGE); so do we.
+# One hostlist range longer than this is a typo, not a cluster; refuse it rather than expand it.
 MAX_HOSTLIST_RANGE = 64 * 1024
 
-# Rendezvous backends torchrun knows; PET_RDZV_BACKEND is passed through when it is one.
-KNOWN_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
+# The rendezvous backends ddprun drives (torchrun also knows etcd, which needs a server of its own).
+KNOWN_BACKENDS = ("c10d", "static")
 
 T = TypeVar("T")
 
@@ -68,7 +68,7 @@ class ClusterSpec:
     node_rank: Sourced[int]  # 0 for a single-node job
     endpoint: Sourced[Endpoint] | None  # None: single-node job, ddprun hosts the store on loopback
     rdzv_id: Sourced[str] | None  # None: single-node job, the caller makes a unique one
-    rdzv_backend: str  # "static" (fixed membership) or "c10d"; PET_RDZV_BACKEND may also name etcd
+    rdzv_backend: str  # "static" (fixed membership) or "c10d"
     scheduler: str | None  # "slurm", "kubeflow" or None
     gpus_on_node: Sourced[int] | None  # GPUs SLURM granted this node
     rdzv_backend_source: str = "default"
@@ -234,11 +234,21 @@ def _split_hostlist(text: str) -> list[str]:
     return [item for item in items if item]
 
 
-def _parse_ranges(inner: str, *, text: str) -> list[tuple[int, int, int]]:
-    """ "01-03,7" -> [(1, 3, 2), (7, 7, 1)]: (low, high, zero-padded width)."""
+class _Range(NamedTuple):
+    low: int
+    high: int
+    width: int  # zero-padded to this many digits
+
+
+# One part of a host pattern: literal text, or the numbers of one bracket.
+_Piece = List[Union[str, _Range]]
+
+
+def _parse_ranges(inner: str, *, text: str) -> _Piece:
+    """ "01-03,7" -> [_Range(1, 3, 2), _Range(7, 7, 1)]."""
     if not inner:
         raise _hostlist_error(text, "empty brackets")
-    ranges = []
+    ranges: _Piece = []
     for part in inner.split(","):
         low, sep, high = part.partition("-")
         high = high if sep else low
@@ -249,32 +259,31 @@ def _parse_ranges(inner: str, *, text: str) -> list[tuple[int, int, int]]:
         if int(high) - int(low) + 1 > MAX_HOSTLIST_RANGE:
             raise _hostlist_error(text, f"range {part!r} has more than {MAX_HOSTLIST_RANGE} hosts")
         # Like SLURM, the width of the low end sets the zero padding: 08-10 -> 08 09 10.
-        ranges.append((int(low), int(high), len(low)))
+        ranges.append(_Range(int(low), int(high), len(low)))
     return ranges
 
 
-def _parse_item(item: str, *, text: str) -> list[list[object]]:
-    """One host pattern -> pieces; each piece is a list of strings and (low, high, width) ranges."""
-    pieces: list[list[object]] = []
+def _parse_item(item: str, *, text: str) -> list[_Piece]:
+    """One host pattern -> its pieces, e.g. "a[1-2]-ib" -> [["a"], [_Range(1, 2, 1)], ["-ib"]]."""
+    pieces: list[_Piece] = []
     for part in re.split(r"(\[[^\]]*\])", item):
         if part.startswith("["):
-            pieces.append(list(_parse_ranges(part[1:-1], text=text)))
+            pieces.append(_parse_ranges(part[1:-1], text=text))
         elif part:
             pieces.append([part])
     return pieces
 
 
-def _piece_values(piece: list[object]) -> Iterator[str]:
+def _piece_values(piece: _Piece) -> Iterator[str]:
     for segment in piece:
         if isinstance(segment, str):
             yield segment
         else:
-            low, high, width = segment  # type: ignore[misc]
-            for number in range(low, high + 1):
-                yield str(number).zfill(width)
+            for number in range(segment.low, segment.high + 1):
+                yield str(number).zfill(segment.width)
 
 
-def _expand(pieces: list[list[object]], prefix: str = "") -> Iterator[str]:
+def _expand(pieces: list[_Piece], prefix: str = "") -> Iterator[str]:
     # The first bracket varies slowest, as SLURM orders a[1-2]-ib[3-4].
     if not pieces:
         yield prefix
@@ -381,10 +390,10 @@ def _slurm_endpoint(env: Mapping[str, str]) -> Sourced[Endpoint] | None:
 def _slurm(env: Mapping[str, str]) -> _Detected | None:
     """Inside a SLURM job. The step's own variables come first: `srun -N2` in a 4-node
     allocation is a 2-node job, and SLURM_NODEID counts within the step."""
-    if not _get(env, "SLURM_JOB_ID") or not _get(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
-        return None
     count = _get(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
-    nodes = _env_int(count, minimum=1, what="a node count", example=2)  # type: ignore[arg-type]
+    if not _get(env, "SLURM_JOB_ID") or count is None:
+        return None
+    nodes = _env_int(count, minimum=1, what="a node count", example=2)
     rank = _get(env, "SLURM_NODEID")
     tasks = _get(env, "SLURM_STEP_NUM_TASKS")
     return _Detected(
@@ -416,15 +425,11 @@ def _kubeflow_backend(env: Mapping[str, str]) -> Sourced[str]:
     # Without PET_RDZV_BACKEND we use static rendezvous, as torchrun itself would: the operator
     # gave every pod a fixed rank and the master's address, so membership is already decided
     # and nothing needs negotiating. An elasticPolicy sets PET_RDZV_BACKEND (c10d by default).
+    # Any other value is refused in _check_backend, after flags had their chance to override it.
     found = _get(env, "PET_RDZV_BACKEND")
     if found is None:
         return Sourced("static", "default")
-    name, value = found
-    if value not in KNOWN_BACKENDS:
-        raise UsageError(
-            f"{name}={value}: unknown rendezvous backend; use one of {', '.join(KNOWN_BACKENDS)}, e.g. {name}=c10d"
-        )
-    return Sourced(value, name)
+    return Sourced(found[1], found[0])
 
 
 def _kubeflow_nnodes(env: Mapping[str, str]) -> tuple[Sourced[int], Sourced[int]]:
@@ -433,7 +438,8 @@ def _kubeflow_nnodes(env: Mapping[str, str]) -> tuple[Sourced[int], Sourced[int]
     if pet:
         low, high = parse_nnodes(pet[1], flag=pet[0])
         return Sourced(low, pet[0]), Sourced(high, pet[0])
-    nodes = _env_int(_get(env, "WORLD_SIZE"), minimum=1, what="a node count", example=2)  # type: ignore[arg-type]
+    world = _get(env, "WORLD_SIZE") or ("WORLD_SIZE", "")
+    nodes = _env_int(world, minimum=1, what="a node count", example=2)
     return nodes, nodes
 
 
@@ -563,6 +569,14 @@ def _static_why(spec: ClusterSpec) -> str:
     return f"static rendezvous ({source})"
 
 
+def _check_backend(spec: ClusterSpec) -> None:
+    if spec.rdzv_backend not in KNOWN_BACKENDS:
+        raise UsageError(
+            f"{spec.rdzv_backend_source}={spec.rdzv_backend}: ddprun uses c10d or static rendezvous; "
+            f"set {spec.rdzv_backend_source}=c10d, or pass the address, e.g. --rdzv-endpoint node0:29500"
+        )
+
+
 def _check_elastic(spec: ClusterSpec) -> None:
     if not spec.is_elastic():
         return
@@ -638,6 +652,7 @@ def detect_cluster(flags: ClusterFlags, env: Mapping[str, str]) -> ClusterSpec:
     given = _parse_flags(flags)
     found = _slurm(env) or _kubeflow(env) or _Detected()
     spec = _merge(given, found)
+    _check_backend(spec)
     _check_elastic(spec)
     _check_static(spec, given)
     _check_slurm_step(spec, found)

@@ -9,12 +9,13 @@ import contextlib
 import logging
 import os
 import signal
-from typing import Iterator
+import sys
+from typing import Callable, Iterator
 
 from rich.console import Console
 
 from ddprun import rendezvous, report
-from ddprun.plan import LaunchPlan
+from ddprun.plan import BOOTSTRAP_MODULE, LaunchPlan
 from ddprun.worker.bootstrap import LAUNCHER_PID_ENV
 
 # torch handles these by stopping the workers with the same signal; ddprun handles SIGINT
@@ -23,15 +24,20 @@ _TORCH_HANDLED = ("SIGHUP", "SIGQUIT")
 _ELASTIC_LOGGER = "torch.distributed.elastic"
 
 
-def execute(plan: LaunchPlan, *, console: Console) -> int:
-    """Launch the job and return ddprun's exit code. Raises UsageError if the port is taken."""
+def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] = lambda: None) -> int:
+    """Launch the job and return ddprun's exit code. Raises UsageError if the port is taken.
+
+    `announce` runs once the rendezvous port is held, just before the workers start.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    sys.stdout.reconfigure(line_buffering=True)  # ranks' lines reach a pipe as they come
     os.environ.update(plan.env)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     with _quiet_torch_logs() as restarts, _held_rendezvous(plan) as torchrun_args:
         restarts.console = console
+        announce()
         launcher, logs = _build_launcher(plan, torchrun_args)
         with _signal_handling(plan, console=console):
             try:
@@ -67,7 +73,11 @@ def _build_launcher(plan: LaunchPlan, torchrun_args: list[str]):
 
     from ddprun.logs import LINE_PREFIX_TEMPLATE, RankLogsSpecs
 
-    config, entrypoint, entrypoint_args = torchrun.config_from_args(torchrun.parse_args(torchrun_args))
+    # torchrun's argparse rejects user arguments that abbreviate its own options (a script's
+    # --nproc "could match --nproc-per-node"), so only the launcher's part goes through it.
+    split = torchrun_args.index(BOOTSTRAP_MODULE) + 1
+    config, entrypoint, entrypoint_args = torchrun.config_from_args(torchrun.parse_args(torchrun_args[:split]))
+    entrypoint_args = [*entrypoint_args, *torchrun_args[split:]]
     logs = RankLogsSpecs(plan.log_dir, console_ranks=set(plan.ranks) if plan.ranks is not None else None)
     config.logs_specs = logs
     config.log_line_prefix_template = LINE_PREFIX_TEMPLATE

@@ -117,7 +117,7 @@ def build_plan(
         torchrun_args=_torchrun_args(options, spec=spec, nproc=chosen.nproc, rdzv_id=rdzv_id, endpoint=endpoint),
         env=worker_env,
         nproc_per_node=chosen.nproc,
-        nnodes=_nnodes_text(spec),
+        nnodes=spec.nnodes_text(),
         world_size=world,
         backend=chosen.backend,
         devices=[g.entry for g in chosen.selected] if chosen.selected is not None else None,
@@ -174,9 +174,7 @@ def _choose_devices(options: LaunchOptions, *, env: Mapping[str, str], inventory
 
 
 def _world_size(spec: cluster.ClusterSpec, nproc: int) -> int | None:
-    if spec.min_nodes.value != spec.max_nodes.value:
-        return None
-    return int(spec.max_nodes.value) * nproc
+    return None if spec.is_elastic() else spec.max_nodes.value * nproc
 
 
 def _check_ranks(ranks: tuple[int, ...] | None, world: int | None) -> list[int] | None:
@@ -231,15 +229,10 @@ def _device_labels(chosen: _Devices) -> list[str]:
     return [devices.describe_gpu(g, ordinal=i) for i, g in enumerate(chosen.selected)]
 
 
-def _nnodes_text(spec: cluster.ClusterSpec) -> str:
-    lo, hi = int(spec.min_nodes.value), int(spec.max_nodes.value)
-    return str(hi) if lo == hi else f"{lo}:{hi}"
-
-
 def _torchrun_args(
     options: LaunchOptions, *, spec: cluster.ClusterSpec, nproc: int, rdzv_id: str, endpoint: str
 ) -> list[str]:
-    args = ["--nnodes", _nnodes_text(spec), "--nproc-per-node", str(nproc)]
+    args = ["--nnodes", spec.nnodes_text(), "--nproc-per-node", str(nproc)]
     if spec.rdzv_backend == "static":
         host, port = endpoint.rsplit(":", 1)
         args += ["--node-rank", str(spec.node_rank.value), "--master-addr", host.strip("[]"), "--master-port", port]

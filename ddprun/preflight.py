@@ -28,6 +28,12 @@ def check_entrypoint(entrypoint: Entrypoint) -> Entrypoint:
     return entrypoint
 
 
+def script_args(args: list[str] | None) -> tuple[str, ...]:
+    """The script's arguments: a `--` right after the script only separates; any later one is the script's."""
+    args = list(args or ())
+    return tuple(args[1:] if args[:1] == ["--"] else args)
+
+
 def check_log_dir(log_dir: str | None) -> str | None:
     if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
         raise UsageError(f"--log-dir {log_dir}: this is a file; give a directory, e.g. --log-dir ./logs")

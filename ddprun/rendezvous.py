@@ -78,8 +78,8 @@ def hold_store(host: str, port: int, *, flag: str = "--port") -> Iterator[HeldSt
         sock.close()
 
 
-class _LocalStoreHandlerFactory:
-    """Creates torch's c10d handler, with the workers' store bound to one address (a registry creator)."""
+class _LocalStoreHandlers:
+    """Registry creator: torch's c10d rendezvous handler, with the workers' store bound to one address."""
 
     def __init__(self) -> None:
         self.bind_host = "127.0.0.1"
@@ -92,11 +92,13 @@ class _LocalStoreHandlerFactory:
         backend, store = create_backend(params)
         handler = create_handler(store, backend, params)
         # torch makes the workers' store with TCPStore(addr, 0), which listens on every
-        # interface. Give it a socket already bound to our address instead. If a torch
-        # release renames this hook, fail loudly rather than silently listen on '*'.
-        if not hasattr(handler, "_create_tcp_store_server"):
-            raise RuntimeError("this torch release has no DynamicRendezvousHandler._create_tcp_store_server")
+        # interface: hand it a socket bound to our address instead. If a torch release
+        # renames these hooks, fail loudly rather than silently listen on '*'.
+        for hook in ("_create_tcp_store_server", "_backend_name"):
+            if not hasattr(handler, hook):
+                raise RuntimeError(f"this torch release has no DynamicRendezvousHandler.{hook}")
         handler._create_tcp_store_server = self._worker_store
+        handler._backend_name = BACKEND_NAME  # the registry checks the name it was asked for
         return handler
 
     def _worker_store(self, master_addr: str, master_port: int) -> Any:
@@ -105,13 +107,13 @@ class _LocalStoreHandlerFactory:
         return serve_store(sock, host=master_addr)
 
 
-_FACTORY = _LocalStoreHandlerFactory()
+_HANDLERS = _LocalStoreHandlers()
 
 
 def register_backend(*, bind_host: str) -> str:
     """Register (once per process) the c10d handler whose worker store listens on `bind_host` only."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    _FACTORY.bind_host = bind_host
-    rendezvous_handler_registry.register(BACKEND_NAME, _FACTORY)
+    _HANDLERS.bind_host = bind_host
+    rendezvous_handler_registry.register(BACKEND_NAME, _HANDLERS)
     return BACKEND_NAME

@@ -242,7 +242,7 @@ def _frame(match: re.Match) -> _Frame:
 
 def _is_code(line: str) -> bool:
     body = line.strip()
-    return line.startswith("    ") and bool(body) and set(body) - set("^~ ")
+    return line.startswith("    ") and bool(set(body) - set("^~ "))
 
 
 def _describe(frame: _Frame, *, cwd: str) -> str:
@@ -266,11 +266,15 @@ def _read_tail(path: Path | None) -> list[str]:
             data = fp.read()
     except OSError:
         return []
-    lines = data.decode("utf-8", errors="replace").splitlines()
+    lines = data.decode("utf-8", errors="replace").split("\n")  # not splitlines: it splits \r
     if size > _TAIL_BYTES:
         lines = lines[1:]  # the first line is cut
     # Progress bars rewrite a line with \r: keep what was left on screen.
-    return [_RANK_PREFIX.sub("", line.rsplit("\r", 1)[-1]).rstrip() for line in lines]
+    return [_RANK_PREFIX.sub("", _on_screen(line)).rstrip() for line in lines]
+
+
+def _on_screen(line: str) -> str:
+    return line.rstrip("\r").rsplit("\r", 1)[-1]
 
 
 def stderr_tail(
@@ -357,3 +361,155 @@ def root_cause(failures: Sequence[RankFailure]) -> RankFailure:
 def exit_code_for(failure: RankFailure) -> int:
     """ddprun's exit code: the worker's own when it is 1..125, else 1."""
     return failure.exitcode if 1 <= failure.exitcode <= 125 else 1
+
+
+# ---------------------------------------------------------------- the panel
+
+_SIGNAL_WHAT = {
+    "SIGKILL": "was killed by SIGKILL",
+    "SIGSEGV": "crashed with SIGSEGV (segmentation fault)",
+    "SIGBUS": "crashed with SIGBUS (bus error)",
+    "SIGABRT": "aborted (SIGABRT)",
+    "SIGTERM": "was terminated by SIGTERM",
+}
+_SIGNAL_HINTS = {
+    "SIGKILL": "SIGKILL usually comes from the kernel's out-of-memory killer: check "
+    "`dmesg -T | grep -i -e oom -e killed` (or the container's memory limit), then lower "
+    "the batch size or the DataLoader's num_workers.",
+    "SIGSEGV": "In a container this is often a /dev/shm that is too small for DataLoader "
+    "workers or NCCL (`df -h /dev/shm`): start it with `--shm-size=8g` or `--ipc=host`. "
+    "Otherwise a native extension crashed; the stack above shows where.",
+    "SIGABRT": "A native library aborted (a C++ exception or a failed check, e.g. in CUDA "
+    "or NCCL); the lines above usually say why.",
+    "SIGTERM": "Something outside the job sent SIGTERM: a scheduler's preemption or time "
+    "limit, or a `kill`.",
+}
+_SIGNAL_HINTS["SIGBUS"] = _SIGNAL_HINTS["SIGSEGV"]
+_MESSAGE_LINES = 6
+
+
+def render_failure(
+    failures: Sequence[RankFailure], *, log_location: str | None, attempt: int | None = None
+) -> Panel:
+    """One panel: the root-cause rank, its error and where, its last stderr lines, hints.
+
+    `attempt` is torch's restart count (0 for the first run); shown when it is above 0.
+    """
+    cause = root_cause(failures)
+    others = [f for f in failures if f is not cause]
+    parts: list[Text] = [_headline(cause), *_where(cause)]
+    if others:
+        parts.append(_others(others, cause=cause))
+    if cause.stderr_tail:
+        parts.append(Text(f"\nLast lines on rank {cause.rank}'s stderr:", style="bold"))
+        parts.extend(
+            Text(f"  {line}", style="dim", no_wrap=True, overflow="ellipsis")
+            for line in cause.stderr_tail
+        )
+    parts.append(Text(""))
+    parts.append(Text.assemble(("exit code ", "bold"), _exit_text(cause)))
+    parts.extend(Text.assemble(("hint: ", "yellow bold"), h) for h in hints_for(cause))
+    parts.append(_logs_line(log_location))
+    title = "job failed" + (f" (restart {attempt})" if attempt else "")
+    return Panel(Group(*parts), title=f"ddprun: {title}", title_align="left", border_style="red")
+
+
+def _headline(cause: RankFailure) -> Text:
+    who = (f"Rank {cause.rank}", "bold red")
+    if cause.recorded:
+        message = cause.exc_message or ""
+        lines = message.splitlines() or [""]
+        if len(lines) > _MESSAGE_LINES:
+            lines = [*lines[:_MESSAGE_LINES], "..."]
+        shown = "\n".join(lines)
+        exc = f"{cause.exc_type}: {shown}" if cause.exc_type else shown
+        return Text.assemble(who, " failed: ", (exc, "bold"))
+    if cause.signal:
+        what = _SIGNAL_WHAT.get(cause.signal, f"was killed by {cause.signal}")
+        return Text.assemble(who, f" {what}")
+    return Text.assemble(who, f" exited with code {cause.exitcode}")
+
+
+def _where(cause: RankFailure) -> list[Text]:
+    if not cause.user_frame:
+        return []
+    lines = [Text.assemble("  at ", (cause.user_frame, "cyan"))]
+    if cause.user_line:
+        lines.append(Text(f"     {cause.user_line}", no_wrap=True, overflow="ellipsis"))
+    return lines
+
+
+def _others(others: Sequence[RankFailure], *, cause: RankFailure) -> Text:
+    stopped = [f.rank for f in others if f.stopped]
+    failed = [f for f in others if not f.stopped]
+    pieces = []
+    if failed:
+        shown = ", ".join(f"rank {f.rank} ({_short_reason(f)})" for f in failed[:3])
+        more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
+        pieces.append(f"also failed: {shown}{more}")
+    if stopped:
+        noun = "rank" if len(stopped) == 1 else "ranks"
+        pieces.append(f"{noun} {rank_ranges(stopped)} stopped after rank {cause.rank} failed")
+    sentence = "; ".join(pieces)
+    return Text(sentence[:1].upper() + sentence[1:] + ".", style="dim")
+
+
+def _short_reason(failure: RankFailure) -> str:
+    if failure.recorded:
+        return failure.exc_type or "error"
+    return failure.signal or f"exit {failure.exitcode}"
+
+
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    spans: list[list[int]] = []
+    for rank in sorted(set(ranks)):
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _exit_text(cause: RankFailure) -> str:
+    if cause.signal:
+        return f"{cause.exitcode} (killed by {cause.signal})"
+    return str(cause.exitcode)
+
+
+def hints_for(cause: RankFailure) -> list[str]:
+    """What to check next, from how the root-cause rank ended."""
+    if cause.signal:
+        return [_SIGNAL_HINTS[cause.signal]] if cause.signal in _SIGNAL_HINTS else []
+    if cause.recorded:
+        return _exception_hints(cause)
+    code = cause.exitcode
+    name = signal_name(128 - code) if code > 128 else None  # a shell reports 128 + signal
+    if name in _SIGNAL_HINTS:
+        return [f"{code} = 128 + {code - 128}: a shell or wrapper reported {name}. "
+                + _SIGNAL_HINTS[name]]
+    hints = [f"No Python exception was raised: the script called sys.exit({code}) or "
+             f"os._exit({code}), or a native library exited."]
+    if code == 2:
+        hints.append("argparse exits with 2 when it rejects the arguments: see the usage "
+                      "message above.")
+    return hints
+
+
+def _exception_hints(cause: RankFailure) -> list[str]:
+    text = f"{cause.exc_type}: {cause.exc_message}"
+    if "OutOfMemoryError" in text or "out of memory" in text:
+        return ["The GPU ran out of memory: lower the batch size per GPU, or use mixed "
+                "precision or gradient accumulation."]
+    if cause.peer_lost:
+        return ["This rank only lost its connection to another rank, which probably failed "
+                "first: if the job spans several nodes, check the other nodes' logs."]
+    return []
+
+
+def _logs_line(log_location: str | None) -> Text:
+    if log_location:
+        return Text.assemble(("logs: ", "bold"), "every rank's full output is in ",
+                             (log_location, "cyan"))
+    return Text("Per-rank logs were not kept; rerun with --log-dir DIR to keep them.",
+                style="dim")

@@ -609,8 +609,13 @@ def test_kubeflow_rdzv_endpoint_without_port_takes_the_default():
     assert spec.endpoint.value == Endpoint("job-worker-0", DEFAULT_PORT)
 
 
-def test_kubeflow_etcd_backend_is_passed_through():
-    assert detect(dict(KUBEFLOW_ELASTIC, PET_RDZV_BACKEND="etcd-v2")).rdzv_backend == "etcd-v2"
+def test_kubeflow_etcd_backend_is_refused_unless_a_flag_overrides_it():
+    env = dict(KUBEFLOW_ELASTIC, PET_RDZV_BACKEND="etcd-v2")
+    message = detect_error(env)
+    assert message.startswith("PET_RDZV_BACKEND=etcd-v2: ddprun uses c10d or static rendezvous")
+    assert "--rdzv-endpoint node0:29500" in message
+    spec = detect(env, rdzv_endpoint="job-worker-0:29400")
+    assert spec.rdzv_backend == "c10d" and spec.rdzv_backend_source == "--rdzv-endpoint"
 
 
 def test_kubeflow_single_pod_is_single_node():

@@ -100,19 +100,20 @@ def cuda_wheel_tag(driver_version: str | None) -> str | None:
     return None
 
 
+def pip_command(driver_version: str | None) -> str:
+    """The pip line that installs torch for this driver (cu126 where the driver is older than any wheel)."""
+    tag = cuda_wheel_tag(driver_version) or "cu126"
+    return f"pip install --force-reinstall torch torchvision --index-url {TORCH_INDEX}/{tag}"
+
+
 def install_hint(driver_version: str | None) -> str:
     """What to type to get a torch that uses this driver."""
-    tag = cuda_wheel_tag(driver_version)
-    if tag is None:
+    if cuda_wheel_tag(driver_version) is None:
         return (
             f"Driver {driver_version} is too old for current PyTorch wheels: upgrade the NVIDIA driver "
-            f"(>= {MIN_DRIVER_FOR_CUDA[12][0]}), then pip install --force-reinstall torch torchvision "
-            f"--index-url {TORCH_INDEX}/cu126"
+            f"(>= {MIN_DRIVER_FOR_CUDA[12][0]}), then {pip_command(None)}"
         )
-    return (
-        f"Install a build for this driver: pip install --force-reinstall torch torchvision "
-        f"--index-url {TORCH_INDEX}/{tag}"
-    )
+    return f"Install a torch build for this driver: {pip_command(driver_version)}"
 
 
 def driver_supports(*, driver_version: str, cuda_build: str) -> bool:
@@ -132,8 +133,10 @@ def _unlimited(value: int | None) -> bool:
     return value is None or value < 0  # resource.RLIM_INFINITY is -1 on Linux
 
 
-def _limit_text(value: int | None) -> str:
-    return "unlimited" if _unlimited(value) else str(value)
+def _limit_text(value: int | None, *, in_bytes: bool = False) -> str:
+    if _unlimited(value):
+        return "unlimited"
+    return human_bytes(value) if in_bytes else str(value)
 
 
 def _truthy(value: str | None) -> bool:
@@ -208,7 +211,7 @@ def check_open_files(*, soft: int | None, hard: int | None) -> CheckResult:
 
 def check_memlock(*, soft: int | None, hard: int | None, infiniband_devices: Sequence[str]) -> CheckResult:
     """InfiniBand (RDMA) pins memory; a small locked-memory limit makes NCCL fail to register buffers."""
-    detail = f"soft {_limit_text(soft)}, hard {_limit_text(hard)}"
+    detail = f"soft {_limit_text(soft, in_bytes=True)}, hard {_limit_text(hard, in_bytes=True)}"
     if _unlimited(soft):
         return CheckResult("locked memory limit", OK, detail)
     if not infiniband_devices:
@@ -283,7 +286,8 @@ def check_torch_cuda_build(*, cuda_build: str | None, driver_version: str | None
     if not driver_supports(driver_version=driver_version, cuda_build=cuda_build):
         needed = ".".join(str(n) for n in MIN_DRIVER_FOR_CUDA[parse_version(cuda_build)[0]])
         detail = f"torch built for CUDA {cuda_build} needs driver >= {needed}; this one is {driver_version}"
-        return CheckResult(name, FAIL, detail, hint=f"Upgrade the driver to >= {needed}. " + install_hint(driver_version))
+        hint = f"Upgrade the NVIDIA driver to >= {needed}, or install a torch build for this driver: "
+        return CheckResult(name, FAIL, detail, hint=hint + pip_command(driver_version))
     return CheckResult(name, OK, f"CUDA {cuda_build}, supported by driver {driver_version}")
 
 
@@ -391,10 +395,12 @@ def check_device_count(
     return CheckResult(name, WARN, detail, hint=hint)
 
 
-def check_p2p(*, matrix: Sequence[Sequence[bool]] | None) -> CheckResult:
+def check_p2p(*, matrix: Sequence[Sequence[bool]] | None, visible_count: int | None) -> CheckResult:
     """Peer-to-peer access between visible GPUs (torch.cuda.can_device_access_peer)."""
     name = "GPU peer-to-peer"
     if matrix is None or len(matrix) < 2:
+        if (visible_count or 0) >= 2:
+            return CheckResult(name, SKIP, f"not measured: torch cannot use the {visible_count} visible GPUs")
         return CheckResult(name, SKIP, "fewer than 2 visible GPUs")
     n = len(matrix)
     missing = [f"{i}<->{j}" for i in range(n) for j in range(i + 1, n) if not (matrix[i][j] and matrix[j][i])]
@@ -480,15 +486,16 @@ def select_interfaces(spec: str, names: Sequence[str], *, nccl_syntax: bool = Tr
     return [name for name in names if listed(name) != exclude]
 
 
-def check_socket_ifname(*, variable: str, value: str | None, interfaces: Sequence[str]) -> CheckResult:
-    """NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME must select interfaces that exist."""
+def check_socket_ifname(*, variable: str, value: str | None, interfaces: Mapping[str, Sequence[str]]) -> CheckResult:
+    """NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME must select interfaces that exist (interfaces: name -> addresses)."""
     nccl = variable.startswith("NCCL")
+    suggestion = _suggest(interfaces)
     if value is None:
         return CheckResult(variable, OK, f"unset: {'NCCL' if nccl else 'gloo'} picks an interface itself")
     have = ", ".join(interfaces) or "none"
     if not interfaces:
         return CheckResult(variable, SKIP, f"{variable}={value}; could not list the interfaces to check it")
-    selected = select_interfaces(value, interfaces, nccl_syntax=nccl)
+    selected = select_interfaces(value, list(interfaces), nccl_syntax=nccl)
     wanted = [entry.strip() for entry in value.split(",") if entry.strip()]
     missing = [] if nccl else [entry for entry in wanted if entry not in interfaces]
     if selected and not missing:
@@ -496,18 +503,20 @@ def check_socket_ifname(*, variable: str, value: str | None, interfaces: Sequenc
     if nccl:
         detail = f"{variable}={value} matches no interface (this machine has: {have})"
         hint = (
-            f"Set it to an interface that exists, e.g. {variable}={_suggest(interfaces)}, or unset it. "
+            f"Set it to an interface that exists, e.g. {variable}={suggestion}, or unset it. "
             "NCCL takes prefixes ('eth' matches eth0), '=' for exact names, '^' to exclude ('^lo,docker')."
         )
     else:
         detail = f"{variable}={value} names {', '.join(missing or wanted)}, not an interface here (this machine has: {have})"
-        hint = f"Gloo takes exact interface names, comma-separated: e.g. {variable}={_suggest(interfaces)}, or unset it."
+        hint = f"Gloo takes exact interface names, comma-separated: e.g. {variable}={suggestion}, or unset it."
     return CheckResult(variable, FAIL, detail, hint=hint)
 
 
-def _suggest(interfaces: Sequence[str]) -> str:
-    real = [name for name in interfaces if name != "lo"]
-    return (real or list(interfaces))[0]
+def _suggest(interfaces: Mapping[str, Sequence[str]]) -> str:
+    """An interface worth naming: one with a routable address, else any but loopback."""
+    routable = [name for name, addresses in interfaces.items() if _routable_addresses({name: addresses})]
+    others = [name for name in interfaces if name != "lo"]
+    return (routable or others or list(interfaces) or ["eth0"])[0]
 
 
 def check_master_addr(*, value: str | None, addresses: Sequence[str], error: str | None) -> CheckResult:

@@ -251,3 +251,121 @@ def _p2p_matrix(torch, count: int) -> tuple[tuple[bool, ...], ...]:
     return tuple(
         tuple(i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(count)) for i in range(count)
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Network
+# ---------------------------------------------------------------------------------------
+
+
+def probe_net(env: Mapping[str, str], *, port: int = DEFAULT_PORT) -> NetFacts:
+    hostname = socket.gethostname()
+    host_addresses, host_error = resolve(hostname)
+    master = env.get("MASTER_ADDR")
+    master_addresses, master_error = resolve(master) if master else ((), None)
+    free = portinfo.is_port_free(port)
+    return NetFacts(
+        hostname=hostname,
+        host_addresses=host_addresses,
+        host_error=host_error,
+        interfaces=read_interfaces(),
+        master_addr_addresses=master_addresses,
+        master_addr_error=master_error,
+        port=port,
+        port_free=free,
+        port_holder=None if free else portinfo.port_holder(port),
+    )
+
+
+def resolve(host: str, *, timeout_s: float = RESOLVE_TIMEOUT_S) -> tuple[tuple[str, ...], str | None]:
+    """The addresses `host` resolves to, or an error. Gives up after timeout_s (getaddrinfo cannot be cancelled)."""
+    box: list[tuple[tuple[str, ...], str | None]] = []
+
+    def lookup() -> None:
+        try:
+            infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+            box.append((tuple(dict.fromkeys(str(info[4][0]) for info in infos)), None))
+        except (OSError, UnicodeError) as error:
+            box.append(((), str(error)))
+
+    thread = threading.Thread(target=lookup, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return box[0] if box else ((), f"no answer within {timeout_s:g} s")
+
+
+def read_interfaces() -> dict[str, tuple[str, ...]]:
+    """Interface name -> addresses, in the system's order; from `ip -o addr`, else /proc and ioctl."""
+    names = _interface_names()
+    text = _run_ip()
+    addresses = parse_ip_addr(text) if text is not None else _addresses_without_ip(names)
+    ordered = {name: tuple(addresses.get(name, ())) for name in names}
+    ordered.update({name: tuple(addrs) for name, addrs in addresses.items() if name not in ordered})
+    return ordered
+
+
+def parse_ip_addr(text: str) -> dict[str, list[str]]:
+    """Addresses per interface from `ip -o addr` output ("4: eth0    inet 10.0.0.2/24 brd ...")."""
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[2] in ("inet", "inet6"):
+            name = fields[1].split("@")[0]  # "eth0@if12" in containers
+            found.setdefault(name, []).append(fields[3].split("/")[0])
+    return found
+
+
+def parse_if_inet6(text: str) -> dict[str, list[str]]:
+    """IPv6 addresses per interface from /proc/net/if_inet6 (32 hex digits, index, ..., name)."""
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 6 and len(fields[0]) == 32:
+            packed = bytes.fromhex(fields[0])
+            found.setdefault(fields[5], []).append(socket.inet_ntop(socket.AF_INET6, packed))
+    return found
+
+
+def _interface_names() -> list[str]:
+    try:
+        return [name for _, name in sorted(socket.if_nameindex())]
+    except (OSError, AttributeError):
+        return []
+
+
+def _run_ip() -> str | None:
+    executable = shutil.which("ip")
+    if executable is None:
+        return None
+    try:
+        done = subprocess.run([executable, "-o", "addr"], capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _addresses_without_ip(names: list[str]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for name in names:
+        ipv4 = _ipv4_address(name)
+        if ipv4:
+            found[name] = [ipv4]
+    try:
+        with open("/proc/net/if_inet6", encoding="ascii") as f:
+            for name, addrs in parse_if_inet6(f.read()).items():
+                found.setdefault(name, []).extend(addrs)
+    except OSError:
+        pass
+    return found
+
+
+def _ipv4_address(name: str) -> str | None:
+    try:
+        import fcntl
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            request = struct.pack("256s", name[:15].encode())
+            answer = fcntl.ioctl(sock.fileno(), 0x8915, request)  # SIOCGIFADDR
+        return socket.inet_ntoa(answer[20:24])
+    except (ImportError, OSError):
+        return None

@@ -58,7 +58,7 @@ class Reporter:
         self._console = Console(file=stream, stderr=stream is sys.stderr)
         self._began = time.perf_counter()
         self._last_shown = self._began
-        self._epoch = 0
+        self._epoch: Optional[int] = None
         self._bar = self._make_bar() if self._console.is_terminal else None
 
     def _make_bar(self):
@@ -74,6 +74,8 @@ class Reporter:
         return bar
 
     def start_epoch(self, epoch: int) -> None:
+        if self._epoch is None:  # speed and ETA count from the first step, not from setup
+            self._began = self._last_shown = time.perf_counter()
         self._epoch = epoch
         if self._bar is not None:
             self._bar.update(self._task, epoch=f"{epoch + 1}/{self._epochs}")
@@ -95,7 +97,7 @@ class Reporter:
     def _line(self, step: int, loss: float, now: float) -> None:
         per_step = (now - self._began) / max(step - self._start, 1)
         eta = _format_eta(per_step * (self._total - step))
-        print(f"epoch {self._epoch + 1}/{self._epochs} step {step}/{self._total} loss {loss:.4f} "
+        print(f"epoch {(self._epoch or 0) + 1}/{self._epochs} step {step}/{self._total} loss {loss:.4f} "
               f"{self._speed(step, now):,.1f} samples/s eta {eta}", file=self._stream, flush=True)
 
     def end_epoch(self, epoch: int, *, loss: Optional[float], val_accuracy: Optional[float]) -> None:

@@ -1,0 +1,459 @@
+"""ddprun's bundled DDP trainer: `python -m ddprun.worker.train [options]`, started in every rank.
+
+torch elastic sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT and
+TORCHELASTIC_RESTART_COUNT. Without them the trainer runs as a single process.
+Exit codes: 0 done, 2 bad input (options, checkpoint), 1 or an exception otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddprun.errors import UsageError
+from ddprun.worker.checkpoint import (
+    CheckpointError, FORMAT_VERSION, capture_rng, load_checkpoint, remove_stale_temps, restore_rng, save_atomic,
+)
+from ddprun.worker.data import Batch, Placement, TrainData, build_data
+from ddprun.worker.models import build_model
+from ddprun.worker.progress import NullReporter, Reporter, RunSummary, write_metrics
+from ddprun.worker.train_options import TrainOptions, from_argv, validate
+
+# Checkpoint args that must match for the saved weights and optimizer state to fit.
+_SHAPE_ARGS = ("model", "image_size", "optimizer")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    restart_count: int = 0
+    launched: bool = False  # started by torch elastic (env:// rendezvous) rather than by hand
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> "DistEnv":
+        if "WORLD_SIZE" not in env:
+            return cls()
+        return cls(
+            rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", "0")), world_size=int(env["WORLD_SIZE"]),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), launched=True,
+        )
+
+
+@dataclass
+class Position:
+    """Where training stands; what a checkpoint restores."""
+
+    epoch: int = 0  # the epoch in progress (== epochs completed when batch_in_epoch is 0)
+    batch_in_epoch: int = 0  # micro-batches of `epoch` already trained
+    step: int = 0  # optimizer steps in total
+
+
+@dataclass
+class Components:
+    raw: nn.Module  # unwrapped: state_dict without "module.", evaluation without collectives
+    ddp: DDP
+    forward: Callable  # ddp, or torch.compile(ddp)
+    optimizer: torch.optim.Optimizer
+    scaler: Optional[torch.amp.GradScaler]
+    amp_dtype: Optional[torch.dtype]
+    device: torch.device
+    data: TrainData
+
+    def autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    began = time.perf_counter()
+    opts = from_argv(sys.argv[1:] if argv is None else argv)
+    env = DistEnv.from_environ(os.environ)
+    try:
+        validate(opts, world_size=env.world_size)
+        checkpoint = initial_checkpoint(opts, env=env)
+    except (UsageError, CheckpointError) as error:
+        return _bad_input(error, env=env)
+    try:
+        device = pick_device(env)
+        init_distributed(opts, env=env, device=device)
+        return run(opts, env=env, device=device, checkpoint=checkpoint, began=began)
+    except UsageError as error:
+        return _bad_input(error, env=env)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _bad_input(error: Exception, *, env: DistEnv) -> int:
+    if env.rank == 0:
+        print(f"ddprun train: error: {getattr(error, 'message', error)}", file=sys.stderr)
+        if getattr(error, "hint", None):
+            print(f"  hint: {error.hint}", file=sys.stderr)
+    return 2
+
+
+def initial_checkpoint(opts: TrainOptions, *, env: DistEnv) -> Optional[dict]:
+    """The checkpoint to start from: --resume, or last.pt after torch elastic restarted the workers."""
+    path = opts.checkpoint_path
+    if path is None:
+        return None
+    restarted = env.restart_count > 0 and os.path.isfile(path)
+    if not (opts.resume or restarted):
+        return None
+    state = load_checkpoint(path)
+    for name in _SHAPE_ARGS:
+        if state["args"].get(name) != getattr(opts, name):
+            raise CheckpointError(f"checkpoint {path} was written with --{name.replace('_', '-')} "
+                                  f"{state['args'].get(name)}, this run has {getattr(opts, name)}")
+    return state
+
+
+def pick_device(env: DistEnv) -> torch.device:
+    """CUDA when every local rank gets its own GPU (all ranks of a node decide alike), else CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= env.local_world_size:
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(opts: TrainOptions, *, env: DistEnv, device: torch.device) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # NCCL's watchdog aborts a collective stuck longer than this; gloo raises after it.
+    timeout = timedelta(seconds=opts.collective_timeout)
+    device_id = device if device.type == "cuda" else None
+    if env.launched:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                device_id=device_id)
+
+
+def ready_barrier(opts: TrainOptions, *, device: torch.device) -> None:
+    """All ranks finished setup. On gloo a rank that never arrives is named, instead of a silent hang."""
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+        return
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=opts.collective_timeout), wait_all_ranks=True)
+    except RuntimeError as error:
+        raise RuntimeError(f"ranks did not all finish setup within --collective-timeout "
+                           f"{opts.collective_timeout:g} s: {error}") from None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        numpy.random.seed(seed)
+
+
+def build_components(opts: TrainOptions, *, data: TrainData, device: torch.device, reporter) -> Components:
+    seed_everything(opts.seed)  # identical initial weights on every rank
+    raw = build_model(opts.model, num_classes=data.num_classes, image_size=opts.image_size)
+    if opts.sync_bn and device.type == "cuda":
+        raw = nn.SyncBatchNorm.convert_sync_batchnorm(raw)
+    elif opts.sync_bn:
+        reporter.note("note: --sync-bn has no effect on CPU (SyncBatchNorm needs CUDA); using plain batch norm")
+    raw = raw.to(device, memory_format=torch.channels_last if opts.channels_last else torch.preserve_format)
+    ddp = wrap_ddp(raw, opts=opts, device=device)
+    forward = torch.compile(ddp) if opts.compile else ddp
+    optimizer = build_optimizer(opts, raw.parameters())
+    use_scaler = opts.amp == "fp16"
+    scaler = torch.amp.GradScaler(device.type) if use_scaler else None
+    amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[opts.amp]
+    return Components(raw=raw, ddp=ddp, forward=forward, optimizer=optimizer, scaler=scaler,
+                      amp_dtype=amp_dtype, device=device, data=data)
+
+
+def wrap_ddp(raw: nn.Module, *, opts: TrainOptions, device: torch.device) -> DDP:
+    ddp = DDP(
+        raw, device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=opts.bucket_cap_mb, gradient_as_bucket_view=True, static_graph=opts.static_graph,
+    )
+    if opts.grad_compression != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
+        ddp.register_comm_hook(state=None, hook=hook[opts.grad_compression])
+    return ddp
+
+
+def build_optimizer(opts: TrainOptions, parameters) -> torch.optim.Optimizer:
+    if opts.optimizer == "adamw":
+        lr = 1e-3 if opts.lr is None else opts.lr
+        decay = 0.01 if opts.weight_decay is None else opts.weight_decay
+        return torch.optim.AdamW(parameters, lr=lr, weight_decay=decay)
+    lr = 0.1 if opts.lr is None else opts.lr
+    decay = 0.0 if opts.weight_decay is None else opts.weight_decay
+    return torch.optim.SGD(parameters, lr=lr, momentum=0.9, weight_decay=decay)
+
+
+def train_step(c: Components, micro_batches: Sequence[Batch]) -> torch.Tensor:
+    """One optimizer step over `micro_batches`; gradients are all-reduced only on the last one."""
+    count = len(micro_batches)
+    total = None
+    for index, (images, labels) in enumerate(micro_batches):
+        last = index == count - 1
+        with contextlib.nullcontext() if last else c.ddp.no_sync():
+            with c.autocast():
+                loss = F.cross_entropy(c.forward(images), labels)
+            scaled = loss if count == 1 else loss / count
+            (scaled if c.scaler is None else c.scaler.scale(scaled)).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    if c.scaler is None:
+        c.optimizer.step()
+    else:
+        c.scaler.step(c.optimizer)
+        c.scaler.update()
+    c.optimizer.zero_grad(set_to_none=True)
+    return total if count == 1 else total / count
+
+
+class StepClock:
+    """Steady-state training time: skips `warmup` steps, and everything between epoch loops."""
+
+    def __init__(self, *, warmup: int, device: torch.device) -> None:
+        self.warmup, self.device = warmup, device
+        self.seen = self.measured_steps = 0
+        self.seconds = 0.0
+        self._mark: Optional[float] = None
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def begin(self) -> None:
+        if self.seen >= self.warmup:
+            self._mark = self._now()
+
+    def tick(self) -> None:
+        self.seen += 1
+        if self._mark is not None:
+            self.measured_steps += 1
+        elif self.seen == self.warmup:
+            self._mark = self._now()
+
+    def end(self) -> None:
+        if self._mark is not None:
+            self.seconds += self._now() - self._mark
+            self._mark = None
+
+
+def run_epoch(c: Components, pos: Position, *, opts: TrainOptions, total_steps: int, clock: StepClock,
+              reporter) -> tuple[torch.Tensor, int]:
+    """Train from `pos` to the end of its epoch or to `total_steps`; returns (sum of step losses, steps)."""
+    accum = opts.grad_accum
+    steps_in_epoch = c.data.train.batches_per_epoch // accum
+    batches = c.data.train.batches(pos.epoch, skip=pos.batch_in_epoch)
+    loss_sum, count = torch.zeros((), device=c.device), 0
+    clock.begin()
+    for _ in range(pos.batch_in_epoch // accum, steps_in_epoch):
+        if pos.step >= total_steps:
+            break
+        loss = train_step(c, [next(batches) for _ in range(accum)])
+        loss_sum += loss
+        count += 1
+        pos.step += 1
+        pos.batch_in_epoch += accum
+        clock.tick()
+        reporter.step(pos.step, loss.item)
+    clock.end()
+    if pos.batch_in_epoch >= steps_in_epoch * accum:
+        pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
+    return loss_sum, count
+
+
+def mean_over_ranks(total: torch.Tensor, count: int) -> Optional[float]:
+    both = torch.stack([total.double(), torch.tensor(float(count), dtype=torch.float64, device=total.device)])
+    dist.all_reduce(both)
+    return None if both[1].item() == 0 else (both[0] / both[1]).item()
+
+
+@torch.no_grad()
+def evaluate(c: Components) -> Optional[float]:
+    """Accuracy on the validation set: each rank its own shard, correct and total all-reduced."""
+    if c.data.val is None:
+        return None
+    c.raw.eval()  # the raw module: shards differ in length, so no DDP collectives in here
+    counts = torch.zeros(2, dtype=torch.float64, device=c.device)
+    for images, labels in c.data.val.batches():
+        with c.autocast():
+            predicted = c.raw(images).argmax(dim=1)
+        counts[0] += (predicted == labels).sum()
+        counts[1] += labels.numel()
+    c.raw.train()
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item() if counts[1] > 0 else None
+
+
+def save_checkpoint(c: Components, pos: Position, *, opts: TrainOptions, env: DistEnv) -> None:
+    """Rank 0 writes last.pt atomically with every rank's RNG state; all ranks wait for it."""
+    rng_states = [None] * env.world_size
+    dist.all_gather_object(rng_states, capture_rng())
+    if env.rank == 0:
+        state = {
+            "format": FORMAT_VERSION, "model": c.raw.state_dict(), "optimizer": c.optimizer.state_dict(),
+            "scaler": None if c.scaler is None else c.scaler.state_dict(),
+            "epoch": pos.epoch, "batch_in_epoch": pos.batch_in_epoch, "step": pos.step,
+            "world_size": env.world_size, "rng": rng_states, "args": dataclasses.asdict(opts),
+        }
+        save_atomic(state, opts.checkpoint_path)
+    dist.barrier()
+
+
+def restore(c: Components, checkpoint: dict, *, opts: TrainOptions, env: DistEnv) -> Position:
+    c.raw.load_state_dict(checkpoint["model"])
+    c.optimizer.load_state_dict(checkpoint["optimizer"])
+    if c.scaler is not None and checkpoint.get("scaler"):
+        c.scaler.load_state_dict(checkpoint["scaler"])
+    if checkpoint["world_size"] == env.world_size:
+        restore_rng(checkpoint["rng"][env.rank])
+    else:  # another world size: RNG streams cannot continue exactly; stay deterministic
+        seed_everything(opts.seed + env.rank + checkpoint["step"])
+    return Position(epoch=checkpoint["epoch"], batch_in_epoch=checkpoint["batch_in_epoch"], step=checkpoint["step"])
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        value, kind = torch.cuda.max_memory_allocated(device), "cuda"
+    else:  # ru_maxrss is in KiB on Linux
+        value, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss"
+    peak = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item()), kind
+
+
+def plan_steps(opts: TrainOptions, *, data: TrainData, world_size: int) -> tuple[int, int]:
+    """(optimizer steps per epoch, total steps); UsageError when an epoch holds no full step."""
+    per_epoch = data.train.batches_per_epoch // opts.grad_accum
+    if per_epoch == 0:
+        raise UsageError(
+            f"the training set gives no full step: {world_size} processes x --batch-size {opts.batch_size}"
+            f" x --grad-accum {opts.grad_accum} is more than one epoch holds",
+            hint="use a smaller --batch-size or --grad-accum, or more data",
+        )
+    total = opts.epochs * per_epoch
+    return per_epoch, total if opts.max_steps is None else min(total, opts.max_steps)
+
+
+def run(opts: TrainOptions, *, env: DistEnv, device: torch.device, checkpoint: Optional[dict],
+        began: float) -> int:
+    placement = Placement(device=device, channels_last=opts.channels_last)
+    data = build_data(opts, rank=env.rank, world_size=env.world_size, placement=placement)
+    per_epoch, total_steps = plan_steps(opts, data=data, world_size=env.world_size)
+    reporter = NullReporter()
+    if env.rank == 0:
+        reporter = Reporter(total_steps=total_steps, start_step=checkpoint["step"] if checkpoint else 0,
+                            epochs=opts.epochs, global_batch=env.world_size * opts.batch_size * opts.grad_accum,
+                            log_interval=opts.log_interval)
+    try:
+        _announce(opts, env=env, device=device, per_epoch=per_epoch, total_steps=total_steps, reporter=reporter)
+        c = build_components(opts, data=data, device=device, reporter=reporter)
+        pos = _start_position(c, checkpoint, opts=opts, env=env, reporter=reporter)
+        ready_barrier(opts, device=device)
+        outcome = train_loop(c, pos, opts=opts, env=env, total_steps=total_steps, reporter=reporter)
+    finally:
+        reporter.close()
+    summary = _summarize(c, pos, outcome, opts=opts, env=env, checkpoint=checkpoint, began=began)
+    if env.rank == 0:
+        reporter.summary(summary)
+        if opts.metrics_json:
+            write_metrics(summary, opts.metrics_json)
+    return 0
+
+
+def _start_position(c: Components, checkpoint: Optional[dict], *, opts: TrainOptions, env: DistEnv,
+                    reporter) -> Position:
+    if env.rank == 0 and opts.checkpoint_path:
+        remove_stale_temps(opts.checkpoint_path)
+    if checkpoint is None:
+        if env.rank == 0 and opts.checkpoint_path and os.path.isfile(opts.checkpoint_path):
+            reporter.note(f"note: starting fresh; {opts.checkpoint_path} will be overwritten (--resume continues it)")
+        seed_everything(opts.seed + env.rank)  # ranks draw different random numbers from here on
+        return Position()
+    pos = restore(c, checkpoint, opts=opts, env=env)
+    reporter.note(f"resuming from {opts.checkpoint_path}: epoch {pos.epoch + 1}, step {pos.step}"
+                  + (f" (restart {env.restart_count})" if env.restart_count else ""))
+    return pos
+
+
+def _announce(opts: TrainOptions, *, env: DistEnv, device: torch.device, per_epoch: int, total_steps: int,
+              reporter) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    accumulation = f" x {opts.grad_accum} accumulation" if opts.grad_accum > 1 else ""
+    reporter.note(
+        f"ddprun train: {opts.model} on {opts.data} data, {env.world_size} process(es) x batch {opts.batch_size}"
+        f"{accumulation} = {env.world_size * opts.batch_size * opts.grad_accum} global, {backend} on "
+        f"{device.type}, {per_epoch} steps/epoch, {total_steps} steps in total"
+    )
+
+
+@dataclass
+class LoopOutcome:
+    final_loss: Optional[float] = None
+    val_accuracy: Optional[float] = None
+    epochs_run: int = 0
+    clock: Optional[StepClock] = None
+
+
+def train_loop(c: Components, pos: Position, *, opts: TrainOptions, env: DistEnv, total_steps: int,
+               reporter) -> LoopOutcome:
+    outcome = LoopOutcome(clock=StepClock(warmup=min(5, (total_steps - pos.step) // 5), device=c.device))
+    if pos.epoch >= opts.epochs or pos.step >= total_steps:
+        reporter.note(f"nothing to train: the run is already at epoch {pos.epoch}, step {pos.step} "
+                      f"(raise --epochs or --max-steps to continue)")
+    while pos.epoch < opts.epochs and pos.step < total_steps:
+        epoch = pos.epoch
+        reporter.start_epoch(epoch)
+        loss_sum, count = run_epoch(c, pos, opts=opts, total_steps=total_steps, clock=outcome.clock,
+                                    reporter=reporter)
+        outcome.final_loss = mean_over_ranks(loss_sum, count)
+        outcome.val_accuracy = evaluate(c)
+        outcome.epochs_run += 1
+        reporter.end_epoch(epoch, loss=outcome.final_loss, val_accuracy=outcome.val_accuracy)
+        finished = pos.epoch >= opts.epochs or pos.step >= total_steps
+        if opts.checkpoint_dir and (finished or pos.epoch % opts.save_every == 0):
+            save_checkpoint(c, pos, opts=opts, env=env)
+    return outcome
+
+
+def _summarize(c: Components, pos: Position, outcome: LoopOutcome, *, opts: TrainOptions, env: DistEnv,
+               checkpoint: Optional[dict], began: float) -> RunSummary:
+    global_batch = env.world_size * opts.batch_size * opts.grad_accum
+    clock = outcome.clock
+    speed = clock.measured_steps * global_batch / clock.seconds if clock.measured_steps and clock.seconds else None
+    memory, kind = peak_memory(c.device)
+    return RunSummary(
+        world_size=env.world_size, global_batch_size=global_batch, batch_size_per_process=opts.batch_size,
+        steps=pos.step, epochs=pos.epoch, samples_per_sec=speed,
+        samples_per_sec_per_process=None if speed is None else speed / env.world_size,
+        wall_time_s=time.perf_counter() - began, final_loss=outcome.final_loss,
+        val_accuracy=outcome.val_accuracy, peak_memory_bytes=memory, peak_memory_kind=kind,
+        model=opts.model, device=c.device.type, resumed_from_step=checkpoint["step"] if checkpoint else None,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
