@@ -36,9 +36,9 @@ def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] 
     os.environ.update(plan.env)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     with _quiet_torch_logs() as restarts, _held_rendezvous(plan) as torchrun_args:
-        restarts.console = console
-        announce()
         launcher, logs = _build_launcher(plan, torchrun_args)
+        restarts.console, restarts.logs = console, logs
+        announce()
         with _signal_handling(plan, console=console):
             try:
                 launcher()
@@ -173,6 +173,7 @@ class _ElasticEvents(logging.Handler):
         self.console: Console | None = None
         self.last_failure: tuple[int, int] | None = None  # (exit code, local rank)
         self.restarts = 0
+        self.logs = None  # RankLogsSpecs: maps a local rank to its global rank
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = str(record.msg)
@@ -186,7 +187,10 @@ class _ElasticEvents(logging.Handler):
         if self.last_failure is None:
             return "a worker failed"
         code, local_rank = self.last_failure
-        return f"local rank {local_rank} {report.describe_exit(code)}"
+        attempt = self.logs.current if self.logs else None
+        rank = f"rank {attempt.global_ranks[local_rank]}" if attempt else f"local rank {local_rank}"
+        name = report.signal_name(code)
+        return f"{rank} was killed by {name}" if name else f"{rank} exited with code {code}"
 
 
 @contextlib.contextmanager

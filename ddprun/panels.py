@@ -20,7 +20,7 @@ def render_plan(plan: LaunchPlan) -> Panel:
     table.add_row("rendezvous", escape(_endpoint_text(plan)))
     table.add_row("logs", escape(plan.log_dir))
     for name in sorted(plan.source):
-        if plan.source[name] not in ("default", "flag"):
+        if plan.source[name] != "default" and not plan.source[name].startswith("--"):
             table.add_row("detected", escape(f"{name} from {plan.source[name]}"))
     for notice in plan.notices:
         table.add_row("note", escape(notice))

@@ -126,7 +126,7 @@ def build_plan(
         rdzv_id=rdzv_id,
         endpoint=endpoint,
         host_store=spec.endpoint is None or _is_store_host(spec),
-        log_dir=options.log_dir or f"{log_root.rstrip('/')}/{rdzv_id}",
+        log_dir=options.log_dir or f"{log_root.rstrip('/')}/{job_id}",
         ranks=ranks,
         grace_period_s=options.grace_period_s,
         forward_signals=list(options.forward_signals),
@@ -159,7 +159,7 @@ def _choose_devices(options: LaunchOptions, *, env: Mapping[str, str], inventory
     if not visible and options.gpus is None:
         nproc = options.nproc or DEFAULT_CPU_PROCS
         why = "No GPU found" if not inventory else f"No GPU visible (CUDA_VISIBLE_DEVICES={variable!r})"
-        return _Devices("gloo", nproc, None, [f"{why}: running {nproc} CPU processes on gloo."])
+        return _Devices("gloo", nproc, None, [f"{why}: running {_count(nproc, 'CPU process')} on gloo."])
     request = options.gpus
     if request is None and options.nproc is not None:
         request = str(options.nproc)  # --nproc alone takes the first N visible GPUs
@@ -219,8 +219,12 @@ def _worker_env(chosen: _Devices, *, env: Mapping[str, str], cpu_count: int, mul
 
 def _env_notices(added: Mapping[str, str], *, env: Mapping[str, str], cpu_count: int, nproc: int) -> list[str]:
     if "OMP_NUM_THREADS" in added:
-        return [f"OMP_NUM_THREADS={added['OMP_NUM_THREADS']} ({cpu_count} cores / {nproc} processes); set it to override."]
+        return [f"OMP_NUM_THREADS={added['OMP_NUM_THREADS']} ({cpu_count} cores / {_count(nproc, 'process')}); set it to override."]
     return []
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "es" if noun.endswith("s") else "s")
 
 
 def _device_labels(chosen: _Devices) -> list[str]:

@@ -43,6 +43,7 @@ _TB_CHAIN = (
 )
 # `  File "x.py", line 3, in f` (traceback) and `  File "x.py", line 3 in f` (faulthandler).
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:,? in (?P<func>.+))?$')
+_FOLDED = re.compile(r"\.\.\. \S+ traceback \(\d+ lines\), summarized above")
 _RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")  # torch's excepthook prefix
 # Messages of a rank that failed only because a peer was gone (gloo, NCCL, the TCP store).
 _PEER_LOST = (
@@ -148,17 +149,23 @@ def signal_name(exitcode: int) -> str | None:
 def _error_record(failure: Any) -> dict | None:
     """The error file's JSON: ProcessFailure has read it already; else read the file."""
     data = getattr(failure, "error_file_data", None)
-    if not isinstance(data, dict) or data.get("message") in (None, _NO_RECORD):
-        path = getattr(failure, "error_file", None)
-        data = None
-        if path and os.path.isfile(path):
-            try:
-                data = json.loads(Path(path).read_text())
-            except (OSError, ValueError):
-                return None
-    if not isinstance(data, dict) or data.get("message") in (None, _NO_RECORD):
+    if not _has_record(data):
+        data = _read_json(getattr(failure, "error_file", None))
+    return data if _has_record(data) else None
+
+
+def _has_record(data: Any) -> bool:
+    # ProcessFailure stands in {"message": "<NONE>"} when there was no error file.
+    return isinstance(data, dict) and data.get("message") not in (None, _NO_RECORD)
+
+
+def _read_json(path: str | None) -> Any:
+    if not path or not os.path.isfile(path):
         return None
-    return data
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):  # e.g. a writer killed mid-write
+        return None
 
 
 def _parse_record(
@@ -168,23 +175,33 @@ def _parse_record(
     if record is None:
         return None, None, None, None
     message = record["message"]
-    if isinstance(message, str):  # torch's flat format: {"message": str, "timestamp": int}
-        stamp = record.get("timestamp")
-        return None, message, None, float(stamp) if stamp is not None else None
-    info = message.get("extraInfo") or {}
-    exc_type, _, exc_message = str(message.get("message", "")).partition(": ")
-    return exc_type or None, exc_message, info.get("py_callstack"), _record_time(info)
+    if not isinstance(message, dict):  # torch's flat format: {"message": str, "timestamp": int}
+        return None, str(message), None, _seconds(record.get("timestamp"))
+    info = message.get("extraInfo")
+    info = info if isinstance(info, dict) else {}
+    exc_type, exc_message = split_exception(str(message.get("message", "")))
+    stamp = _seconds(info.get("timestamp"))
+    if info.get("timestamp_ms") is not None:  # ddprun's bootstrap: millisecond precision
+        ms = _seconds(info["timestamp_ms"])
+        stamp = ms / 1000 if ms is not None else stamp
+    return exc_type, exc_message, info.get("py_callstack") or None, stamp
 
 
-def _record_time(info: Mapping[str, Any]) -> float | None:
+def split_exception(text: str) -> tuple[str | None, str]:
+    """"ValueError: bad" -> ("ValueError", "bad"), as torch's record writes it."""
+    name, sep, message = text.partition(": ")
+    if sep and name and not any(ch.isspace() for ch in name):
+        return name, message
+    if text and text.isidentifier():  # "ValueError" alone
+        return text, ""
+    return None, text
+
+
+def _seconds(value: Any) -> float | None:
     try:
-        if "timestamp_ms" in info:  # ddprun's bootstrap: millisecond precision
-            return int(info["timestamp_ms"]) / 1000
-        if "timestamp" in info:  # torch's @record: whole seconds
-            return float(int(info["timestamp"]))
+        return float(int(value))
     except (TypeError, ValueError):
-        pass
-    return None
+        return None
 
 
 # ---------------------------------------------------------------- frames
@@ -286,14 +303,18 @@ def stderr_tail(
     message and user frame; the log file has all of it), and faulthandler's frames of
     runpy and ddprun's bootstrap are dropped.
     """
-    kept = [line for line in lines if not _is_launch_frame(line)]
+    kept = [line for line in lines if not _is_launch_frame(line) and not _is_noise(line)]
     if exc_type:
         kept = _fold_traceback(kept, exc_type=exc_type, exc_message=exc_message or "")
     while kept and not kept[-1].strip():
         kept.pop()
-    if len(kept) == 1 and kept[0].startswith("..."):
+    if len(kept) == 1 and _FOLDED.fullmatch(kept[0]):
         return ()  # nothing but the folded traceback
     return tuple(kept[-TAIL_LINES:])
+
+
+def _is_noise(line: str) -> bool:
+    return line.startswith("Extension modules: ")  # faulthandler's list of loaded modules
 
 
 def _is_launch_frame(line: str) -> bool:
@@ -414,6 +435,12 @@ def render_failure(
     return Panel(Group(*parts), title=f"ddprun: {title}", title_align="left", border_style="red")
 
 
+def summarize(failure: RankFailure) -> str:
+    """One line for messages like "restart 1/2: rank 1 was killed by SIGKILL"."""
+    first = _headline(failure).plain.splitlines()[0]
+    return first[:1].lower() + first[1:]
+
+
 def _headline(cause: RankFailure) -> Text:
     who = (f"Rank {cause.rank}", "bold red")
     if cause.recorded:
@@ -422,7 +449,7 @@ def _headline(cause: RankFailure) -> Text:
         if len(lines) > _MESSAGE_LINES:
             lines = [*lines[:_MESSAGE_LINES], "..."]
         shown = "\n".join(lines)
-        exc = f"{cause.exc_type}: {shown}" if cause.exc_type else shown
+        exc = ": ".join(part for part in (cause.exc_type, shown) if part)
         return Text.assemble(who, " failed: ", (exc, "bold"))
     if cause.signal:
         what = _SIGNAL_WHAT.get(cause.signal, f"was killed by {cause.signal}")
@@ -479,10 +506,10 @@ def _exit_text(cause: RankFailure) -> str:
 
 def hints_for(cause: RankFailure) -> list[str]:
     """What to check next, from how the root-cause rank ended."""
+    if cause.recorded:  # its own exception explains it, whatever signal ended it later
+        return _exception_hints(cause)
     if cause.signal:
         return [_SIGNAL_HINTS[cause.signal]] if cause.signal in _SIGNAL_HINTS else []
-    if cause.recorded:
-        return _exception_hints(cause)
     code = cause.exitcode
     name = signal_name(128 - code) if code > 128 else None  # a shell reports 128 + signal
     if name in _SIGNAL_HINTS:

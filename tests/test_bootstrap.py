@@ -270,3 +270,15 @@ def test_worker_whose_launcher_is_already_gone_exits_at_once(tmp_path):
                        **{LAUNCHER_PID_ENV: str(os.getpid() + 1_000_000)})
     assert result.returncode == 128 + signal.SIGKILL
     assert not marker.exists()
+
+
+def test_an_exception_whose_str_fails_still_ends_like_python(tmp_path):
+    script = write(tmp_path / "train.py", """
+        class Weird(Exception):
+            def __str__(self):
+                raise RuntimeError("no str")
+        raise Weird()
+    """)
+    result = bootstrap(str(script), tmp_path=tmp_path, error_file=tmp_path / "error.json")
+    assert result.returncode == 1
+    assert "Weird" in result.stderr

@@ -228,6 +228,7 @@ def test_segfault_hints_at_dev_shm_and_finds_the_user_frame_in_faulthandler_outp
         f'  File "{BOOTSTRAP}", line 129 in main',
         "",
         "Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)",
+        "",
     ])
     logs = {1: log(tmp_path / "r1.log", crash + "\n")}
     failures = failures_from_torch(
@@ -238,6 +239,7 @@ def test_segfault_hints_at_dev_shm_and_finds_the_user_frame_in_faulthandler_outp
     assert (cause.rank, cause.signal) == (1, "SIGSEGV")
     assert cause.user_frame == "train.py:16 in <module>"
     assert not any("runpy" in line or "bootstrap" in line for line in cause.stderr_tail)
+    assert cause.stderr_tail[-1] == f'  File "{tmp_path}/train.py", line 16 in <module>'
     text = render(failures)
     assert "Rank 1 crashed with SIGSEGV (segmentation fault)" in text
     assert "at train.py:16 in <module>" in text
@@ -264,6 +266,9 @@ def test_a_stopped_rank_that_recorded_its_own_error_first_is_the_root_cause():
     rank0 = failure(0, -15, exc_type="ValueError", exc_message="bad", timestamp=T0 + 0.1)
     rank1 = failure(1, 1, exc_type="RuntimeError", exc_message=GLOO_PEER_LOST, timestamp=T0 + 0.2)
     assert root_cause([rank1, rank0]) is rank0
+    text = render([rank1, rank0])
+    assert "Rank 0 failed: ValueError: bad" in text
+    assert "outside the job" not in text  # that SIGTERM came from the launcher
 
 
 def test_without_records_detection_order_decides_and_sigterm_comes_last():
@@ -505,3 +510,30 @@ def test_report_module_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(report.__file__).parent.parent, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("ValueError: bad: worse", ("ValueError", "bad: worse")),
+        ("StopIteration: ", ("StopIteration", "")),
+        ("StopIteration", ("StopIteration", "")),
+        ("worker lost: retry later", (None, "worker lost: retry later")),
+        ("", (None, "")),
+    ],
+)
+def test_split_exception(text, expected):
+    assert report.split_exception(text) == expected
+
+
+def test_exception_without_message_shows_just_its_type():
+    text = render([failure(0, 1, exc_type="StopIteration", exc_message="")])
+    (headline,) = [line.strip("│ ") for line in text.splitlines() if "Rank 0" in line]
+    assert headline == "Rank 0 failed: StopIteration"
+
+
+def test_summarize_gives_one_line_for_restart_messages():
+    assert report.summarize(failure(1, -9)) == "rank 1 was killed by SIGKILL"
+    assert report.summarize(failure(0, 3)) == "rank 0 exited with code 3"
+    multi = failure(2, 1, exc_type="RuntimeError", exc_message="CUDA error\nmore detail")
+    assert report.summarize(multi) == "rank 2 failed: RuntimeError: CUDA error"

@@ -20,6 +20,7 @@ GIB = 1 << 30
 MIN_SHM_BYTES = GIB
 MIN_OPEN_FILES = 4096
 DEFAULT_PORT = 29500
+EXIT_STEP = "exit"  # the smoke worker's last mark, after destroy_process_group returned
 TORCH_INDEX = "https://download.pytorch.org/whl"
 ENV_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "MASTER_", "PET_", "GLOO_")
 ENV_NAMES = ("OMP_NUM_THREADS",)
@@ -666,6 +667,11 @@ def hang_hint(step: str | None, *, backend: str) -> str:
         return hint + (" " + NCCL_ERROR_HINT if backend == "nccl" else "")
     if step == "destroy_process_group":
         return "Shutdown hung: a rank still had collectives in flight. " + DESTROY_HINT
+    if step == EXIT_STEP:
+        return (
+            "Every step finished but the ranks did not exit in time: on a slow or busy machine rerun with a "
+            "longer --timeout; otherwise a process left behind by another job may be holding them."
+        )
     if backend == "nccl":
         return (
             "A GPU collective hung: rerun with NCCL_DEBUG=INFO. NCCL_P2P_DISABLE=1 works around broken P2P "

@@ -32,9 +32,10 @@ OUTPUT_TAIL_CHARS = 4000
 
 @dataclass(frozen=True)
 class SmokePlan:
-    """How the smoke test will run: the command, and what it is expected to do."""
+    """How the smoke test will run: `ddprun run` flags, the worker's flags, what to expect."""
 
-    argv: tuple[str, ...]
+    launch_flags: tuple[str, ...]
+    smoke_flags: tuple[str, ...]
     nranks: int
     backend: str
     timeout_s: float
@@ -188,27 +189,34 @@ def plan_smoke(facts: probe.Facts, *, max_bytes: int | None, timeout_s: float) -
     """One rank per GPU torch can use, on nccl; else 2 CPU ranks on gloo."""
     gpus = facts.torch.device_count or 0
     if gpus and facts.torch.nccl_available:
-        launch_flags, nranks, backend = ["--gpus", "all"], gpus, "nccl"
+        launch_flags, nranks, backend = ("--gpus", "all"), gpus, "nccl"
     else:
-        launch_flags, nranks, backend = ["--nproc", str(CPU_RANKS), "--cpu"], CPU_RANKS, "gloo"
-    smoke_flags = ["--timeout", f"{max(5.0, timeout_s - 15.0):g}", "--sweep-budget", f"{max(2.0, timeout_s / 4):g}"]
+        launch_flags, nranks, backend = ("--nproc", str(CPU_RANKS), "--cpu"), CPU_RANKS, "gloo"
+    # The process group times out before the doctor does, so a hang usually comes back as an error.
+    smoke_flags = ("--timeout", f"{max(5.0, timeout_s - 15.0):g}", "--sweep-budget", f"{max(2.0, timeout_s / 4):g}")
     if max_bytes is not None:
-        smoke_flags += ["--max-bytes", str(max_bytes)]
-    argv = (sys.executable, "-m", "ddprun", "run", *launch_flags, "-m", SMOKE_MODULE, "--", *smoke_flags)
-    return SmokePlan(argv=argv, nranks=nranks, backend=backend, timeout_s=timeout_s)
+        smoke_flags += ("--max-bytes", str(max_bytes))
+    return SmokePlan(launch_flags=launch_flags, smoke_flags=smoke_flags, nranks=nranks, backend=backend, timeout_s=timeout_s)
+
+
+def smoke_argv(plan: SmokePlan, *, out: Path, progress_dir: Path, log_dir: Path) -> list[str]:
+    """The smoke job, started through ddprun's own launch path."""
+    return [
+        sys.executable, "-m", "ddprun", "run", *plan.launch_flags, "--log-dir", str(log_dir),
+        "-m", SMOKE_MODULE, "--", *plan.smoke_flags, "--out", str(out), "--progress-dir", str(progress_dir),
+    ]
 
 
 def run_smoke(plan: SmokePlan) -> SmokeOutcome:
     with tempfile.TemporaryDirectory(prefix="ddprun-doctor-") as tmp:
         work = Path(tmp)
-        progress_dir, out = work / "progress", work / "smoke.json"
+        progress_dir, out, log_path = work / "progress", work / "smoke.json", work / "output.log"
         progress_dir.mkdir()
         # The job's own log folder goes in our temp folder, so nothing is left behind.
-        argv = list(plan.argv[:4]) + ["--log-dir", str(work / "logs")] + list(plan.argv[4:])
-        argv += ["--out", str(out), "--progress-dir", str(progress_dir)]
-        returncode, timed_out, progress = launch(argv, log_path=work / "output.log", timeout_s=plan.timeout_s, progress_dir=progress_dir)
+        argv = smoke_argv(plan, out=out, progress_dir=progress_dir, log_dir=work / "logs")
+        returncode, timed_out, progress = launch(argv, log_path=log_path, timeout_s=plan.timeout_s, progress_dir=progress_dir)
         report = read_report(out)
-        tail = read_tail(work / "output.log")
+        tail = read_tail(log_path)
     results = checks.check_smoke(
         report=report,
         returncode=returncode,

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ddprun.doctor.checks import FAIL, OK, SKIP, format_progress
+from ddprun.doctor.checks import EXIT_STEP, FAIL, OK, SKIP, format_progress
 
 CHECK_ELEMENTS = 1031  # odd, so no collective algorithm gets an even split for free
 DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             smoke.mark("destroy_process_group")
             dist.destroy_process_group()
             smoke.record("destroy_process_group", OK, "clean shutdown")
+        smoke.mark(EXIT_STEP)  # all done: a timeout from here on is the exit, not a collective
     return code
 
 

@@ -104,8 +104,8 @@ def write_error_file(path: str, exc: BaseException) -> None:
         with open(tmp, "w") as fp:
             json.dump(error_record(exc, now=time.time()), fp)
         os.replace(tmp, path)
-    except OSError as err:
-        print(f"ddprun: could not write error file {path}: {err}", file=sys.stderr)
+    except Exception as err:  # an unwritable path, or an exception whose str() fails
+        print(f"ddprun: could not write error file {path}: {err!r}", file=sys.stderr)
 
 
 def _enable_faulthandler() -> None:
@@ -129,12 +129,21 @@ def main() -> None:
         run_user_code(argv)
     except Exception as exc:  # SystemExit and KeyboardInterrupt pass through untouched
         exc.__traceback__ = user_traceback(exc.__traceback__)
-        # A user's own @record has already written the file; keep theirs, as torch does.
+        # A user's own @record has written the file already (same format): keep theirs.
         if error_file and _file_state(error_file) == before:
             write_error_file(error_file, exc)
         # What Python does with an uncaught exception, without our frames on top of it.
-        sys.excepthook(type(exc), exc, exc.__traceback__)
+        _print_exception(exc)
         raise SystemExit(1) from None
+
+
+def _print_exception(exc: BaseException) -> None:
+    """Print through the installed excepthook, except torch's: it prefixes every line with
+    [rankN]: and the launcher already prefixes each line with [rank N]."""
+    hook = sys.excepthook
+    if getattr(hook, "__name__", "") == "_distributed_excepthook":
+        hook = sys.__excepthook__
+    hook(type(exc), exc, exc.__traceback__)
 
 
 if __name__ == "__main__":
