@@ -24,6 +24,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DIRECT = "import sys; from ddprun.doctor.main import run_doctor; sys.exit(run_doctor(smoke={smoke}))"
+# The same split inside one process, immune to load differences between processes.
+IN_PROCESS = """
+import io, json, time
+started = time.perf_counter()
+import torch
+imported = time.perf_counter()
+from rich.console import Console
+from ddprun.doctor.main import run_doctor
+run_doctor(smoke=False, console=Console(file=io.StringIO()))
+print(json.dumps({"import_torch_s": imported - started, "doctor_s": time.perf_counter() - imported}))
+"""
 
 
 def doctor_command(*, smoke: bool) -> list[str]:
@@ -41,6 +52,11 @@ def wall_time(argv: list[str]) -> tuple[float, int]:
     return time.perf_counter() - started, done.returncode
 
 
+def in_process() -> dict:
+    done = subprocess.run([sys.executable, "-c", IN_PROCESS], cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="runs of the fast measurements")
@@ -56,6 +72,7 @@ def main() -> None:
         seconds, code = wall_time(no_smoke)
         doctor_times.append(seconds)
         codes.append(code)
+    inside = [in_process() for _ in range(args.runs)]
     smoke_runs = [wall_time(with_smoke) for _ in range(args.smoke_runs)]
 
     torch_s = statistics.median(torch_times)
@@ -68,6 +85,7 @@ def main() -> None:
         "import_torch_s": round(torch_s, 3),
         "doctor_no_smoke_s": round(doctor_s, 3),
         "beyond_import_torch_s": round(doctor_s - torch_s, 3),
+        "in_process_doctor_after_import_torch_s": round(statistics.median(r["doctor_s"] for r in inside), 3),
         "doctor_with_smoke_s": round(smoke_s, 3),
         "exit_codes": sorted(set(codes + [code for _, code in smoke_runs])),
         "runs": {"fast": args.runs, "smoke": args.smoke_runs},
@@ -77,6 +95,7 @@ def main() -> None:
     print(f"| `python -c 'import torch'` | {torch_s:.2f} | |")
     print(f"| doctor --no-smoke | {doctor_s:.2f} | |")
     print(f"| doctor --no-smoke beyond import torch | {doctor_s - torch_s:.2f} | < 1 |")
+    print(f"| doctor --no-smoke after torch is imported, same process | {result['in_process_doctor_after_import_torch_s']:.2f} | < 1 |")
     print(f"| doctor with smoke test (2 ranks, gloo, up to 64 MiB) | {smoke_s:.2f} | < 30 |")
     print(json.dumps(result))
 

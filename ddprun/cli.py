@@ -29,7 +29,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+stderr = Console(stderr=True, highlight=False)
 
 PASSTHROUGH = {"allow_interspersed_args": False, "ignore_unknown_options": True}
 

@@ -22,6 +22,8 @@ from ddprun.worker.bootstrap import LAUNCHER_PID_ENV
 # and SIGTERM itself (so that a second one kills at once) and forwards what the user asked.
 _TORCH_HANDLED = ("SIGHUP", "SIGQUIT")
 _ELASTIC_LOGGER = "torch.distributed.elastic"
+# torch sets each module logger to WARNING; the agent's restart record is INFO.
+_AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
 
 
 def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] = lambda: None) -> int:
@@ -78,7 +80,12 @@ def _build_launcher(plan: LaunchPlan, torchrun_args: list[str]):
     split = torchrun_args.index(BOOTSTRAP_MODULE) + 1
     config, entrypoint, entrypoint_args = torchrun.config_from_args(torchrun.parse_args(torchrun_args[:split]))
     entrypoint_args = [*entrypoint_args, *torchrun_args[split:]]
-    logs = RankLogsSpecs(plan.log_dir, console_ranks=set(plan.ranks) if plan.ranks is not None else None)
+    single_node = plan.host_store and plan.nnodes == "1"
+    logs = RankLogsSpecs(
+        plan.log_dir,
+        console_ranks=set(plan.ranks) if plan.ranks is not None else None,
+        on_attempt=rendezvous.fresh_worker_store if single_node else lambda number, envs: None,
+    )
     config.logs_specs = logs
     config.log_line_prefix_template = LINE_PREFIX_TEMPLATE
     config.shutdown_timeout = int(round(plan.grace_period_s))
@@ -198,13 +205,14 @@ def _quiet_torch_logs() -> Iterator[_ElasticEvents]:
     events = _ElasticEvents()
     elastic = logging.getLogger(_ELASTIC_LOGGER)
     debug = os.environ.get("DDPRUN_DEBUG") == "1"
-    saved = (elastic.level, elastic.propagate)
+    agent = logging.getLogger(_AGENT_LOGGER)
+    saved = (elastic.propagate, agent.level)
     elastic.addHandler(events)
-    elastic.setLevel(logging.INFO)
     elastic.propagate = debug
+    agent.setLevel(logging.INFO)
     try:
         yield events
     finally:
         elastic.removeHandler(events)
-        elastic.setLevel(saved[0])
-        elastic.propagate = saved[1]
+        elastic.propagate, _ = saved
+        agent.setLevel(saved[1])

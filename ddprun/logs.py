@@ -12,6 +12,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
@@ -37,9 +38,16 @@ class Attempt:
 
 
 class RankLogsSpecs(LogsSpecs):
-    def __init__(self, log_dir: str, *, console_ranks: set[int] | None) -> None:
+    """torch calls `reify` at every (re)start of the workers with their environments: the one
+    per-attempt hook it offers, so `on_attempt(number, envs)` may adjust those too."""
+
+    def __init__(
+        self, log_dir: str, *, console_ranks: set[int] | None,
+        on_attempt: Callable[[int, dict[int, dict[str, str]]], None] = lambda number, envs: None,
+    ) -> None:
         super().__init__(log_dir=log_dir)
         self._console_ranks = console_ranks
+        self._on_attempt = on_attempt
         self.attempts: list[Attempt] = []
 
     @property
@@ -48,6 +56,7 @@ class RankLogsSpecs(LogsSpecs):
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         number = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._on_attempt(number, envs)
         attempt = Attempt(number, Path(self.root_log_dir) / f"attempt_{number}")
         shutil.rmtree(attempt.directory, ignore_errors=True)  # a reused --log-dir must not mix runs
         attempt.directory.mkdir(parents=True)

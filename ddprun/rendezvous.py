@@ -84,6 +84,7 @@ class _LocalStoreHandlers:
     def __init__(self) -> None:
         self.bind_host = "127.0.0.1"
         self.sockets: list[socket.socket] = []  # kept open for the job's life, like the stores
+        self.stores: list[Any] = []
 
     def __call__(self, params: Any) -> Any:
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
@@ -108,6 +109,22 @@ class _LocalStoreHandlers:
 
 
 _HANDLERS = _LocalStoreHandlers()
+
+
+def fresh_worker_store(number: int, envs: dict[int, dict[str, str]]) -> None:
+    """Give a restarted single-node attempt a new, empty worker store.
+
+    torch keeps one worker store for every attempt, so restarted ranks can read the keys of
+    the dead attempt (gloo's peer addresses, barrier counters) and hang or fail; plain
+    torchrun --max-restarts trips on this most of the time on torch 2.14.
+    """
+    if number == 0:
+        return
+    sock = bind_listener(_HANDLERS.bind_host, 0)
+    _HANDLERS.sockets.append(sock)
+    _HANDLERS.stores.append(serve_store(sock, host=_HANDLERS.bind_host))
+    for env in envs.values():
+        env["MASTER_PORT"] = str(sock.getsockname()[1])
 
 
 def register_backend(*, bind_host: str) -> str:

@@ -36,6 +36,7 @@ def cpu_env(tmp_path: Path) -> dict[str, str]:
         env.pop(name, None)
     env["OUT_DIR"] = str(tmp_path / "out")
     env["PYTHONUNBUFFERED"] = "1"
+    env["COLUMNS"] = "200"  # Rich wraps at 80 columns off a terminal; keep paths on one line
     return env
 
 

@@ -217,17 +217,11 @@ def test_gpu_without_kernels_in_this_torch_fails():
     assert result.status == FAIL and "sm_100" in result.hint
 
 
-def test_gpu_numbered_differently_by_cuda_warns():
-    visible = VisibleGpu(entry="0", gpu=INVENTORY[0])
-    torch_gpu = TorchGpu(ordinal=0, name=INVENTORY[1].name, uuid=INVENTORY[1].uuid, capability=(9, 0))
-    result = checks.check_gpu(ordinal=0, visible=visible, torch_gpu=torch_gpu, arch_list=[])
-    assert result.status == WARN and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in result.hint
-
-
 @pytest.mark.parametrize(
     "capability, arch_list, supported",
     [((9, 0), ["sm_80", "sm_90"], True), ((8, 6), ["sm_80"], True), ((8, 9), ["sm_90"], False),
-     ((12, 0), ["sm_90", "compute_90"], True), ((12, 0), ["sm_90a", "sm_100"], False), ((7, 0), [], True)],
+     ((12, 0), ["sm_90", "compute_90"], True), ((12, 0), ["sm_90a", "sm_100"], False), ((7, 0), [], True),
+     ((9, 0), ["gfx90a"], True)],
 )
 def test_arch_supported(capability, arch_list, supported):
     assert checks.arch_supported(capability, arch_list) is supported

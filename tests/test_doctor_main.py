@@ -18,6 +18,7 @@ from rich.console import Console
 from ddprun.devices import Gpu, VisibleGpu
 from ddprun.doctor import checks, main, probe, render
 from ddprun.doctor.checks import FAIL, OK, SKIP, WARN, CheckResult, TorchGpu
+from ddprun.errors import UsageError
 from gpu_stub import FOUR_GPUS, install_stub_nvidia_smi, path_with
 
 INVENTORY = tuple(Gpu(index=i, uuid=u, name=n, memory_mib=m) for i, u, n, m in FOUR_GPUS)
@@ -125,6 +126,13 @@ def test_broken_environment_fails_where_it_should():
     assert all(found[name].hint for name, status in expected.items() if status != SKIP)
 
 
+def test_options_that_cannot_work_are_usage_errors():
+    with pytest.raises(UsageError, match="--timeout 0"):
+        main.run_doctor(timeout_s=0)
+    with pytest.raises(UsageError, match="--max-bytes 4"):
+        main.run_doctor(max_bytes=4)
+
+
 def test_exit_code():
     warn = [CheckResult("a", OK, ""), CheckResult("b", WARN, "", hint="h")]
     assert main.exit_code(warn, strict=False) == 0
@@ -135,11 +143,11 @@ def test_exit_code():
 def test_smoke_plan_on_cpu_and_on_gpus():
     cpu = main.plan_smoke(make_facts(), max_bytes=None, timeout_s=60.0)
     assert (cpu.nranks, cpu.backend, cpu.launch_flags) == (2, "gloo", ("--nproc", "2", "--cpu"))
-    assert cpu.smoke_flags == ("--timeout", "45", "--sweep-budget", "15")
+    assert cpu.smoke_flags == ("--backend", "gloo", "--timeout", "45", "--sweep-budget", "15")
     argv = main.smoke_argv(cpu, out=Path("/t/o.json"), progress_dir=Path("/t/p"), log_dir=Path("/t/logs"))
     assert argv == [
         sys.executable, "-m", "ddprun", "run", "--nproc", "2", "--cpu", "--log-dir", "/t/logs",
-        "-m", "ddprun.doctor.smoke", "--", "--timeout", "45", "--sweep-budget", "15",
+        "-m", "ddprun.doctor.smoke", "--", "--backend", "gloo", "--timeout", "45", "--sweep-budget", "15",
         "--out", "/t/o.json", "--progress-dir", "/t/p",
     ]
     gpu = main.plan_smoke(make_facts(torch={"device_count": 4}), max_bytes=1 << 20, timeout_s=60.0)
@@ -285,3 +293,35 @@ def test_full_doctor_with_the_smoke_test_passes_on_gloo(clean_env, capsys):
     assert all(set(row) == {"bytes", "time_us", "algbw_gbps", "busbw_gbps"} for row in data["bandwidth"])
     assert all(row["time_us"] > 0 and row["busbw_gbps"] == pytest.approx(row["algbw_gbps"]) for row in data["bandwidth"])
     assert code == (1 if any(c["status"] == "fail" for c in data["checks"]) else 0)
+
+
+def test_smoke_failure_comes_back_as_a_failed_step(clean_env):
+    # nccl asked of CPU-only ranks: every rank fails at init; rank 0 still reports which step and why.
+    plan = main.SmokePlan(
+        launch_flags=("--nproc", "2", "--cpu"),
+        smoke_flags=("--backend", "nccl", "--timeout", "20"),
+        nranks=2,
+        backend="nccl",
+        timeout_s=90.0,
+    )
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("GPUs here: nccl would work")
+    found = by_name(main.run_smoke(plan).results)
+    init = found["smoke: init_process_group"]
+    assert init.status == FAIL and "nccl needs one GPU per rank" in init.detail, init
+    assert init.hint == checks.NCCL_ERROR_HINT
+    assert found["smoke test"].status == FAIL and "exited with code" in found["smoke test"].detail
+    assert "smoke: destroy_process_group" not in found  # the group never started
+
+
+def test_smoke_sweep_arithmetic():
+    from ddprun.doctor import smoke
+
+    assert smoke.bus_bandwidth(10.0, 2) == 10.0
+    assert smoke.bus_bandwidth(10.0, 8) == pytest.approx(17.5)
+    assert smoke.bus_bandwidth(10.0, 1) == 0.0
+    assert smoke.iterations(8, gpu=False) == (3, 50)
+    assert smoke.iterations(64 << 20, gpu=False) == (1, 4)
+    assert smoke.iterations(1 << 30, gpu=True) == (1, 8)

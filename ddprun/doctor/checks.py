@@ -346,28 +346,25 @@ def check_gpu(
     if not arch_supported(torch_gpu.capability, arch_list):
         hint = f"torch ships kernels for {', '.join(arch_list)} only: install a newer torch build for sm_{major}{minor}."
         return CheckResult(name, FAIL, detail + ": this torch has no kernels for it", hint=hint)
-    if gpu is not None and torch_gpu.uuid and torch_gpu.uuid != gpu.uuid:
-        hint = "Set CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA numbers GPUs like nvidia-smi (ddprun does this for its jobs)."
-        return CheckResult(name, WARN, detail + f"; torch's cuda:{ordinal} is {torch_gpu.name} {torch_gpu.uuid}", hint=hint)
     return CheckResult(name, OK, detail)
 
 
 def arch_supported(capability: tuple[int, int], arch_list: Sequence[str]) -> bool:
     """Whether torch's compiled architectures (torch.cuda.get_arch_list()) run on this capability."""
-    if not arch_list:
-        return True  # unknown: say nothing rather than guess
     major, minor = capability
+    known = False
     for arch in arch_list:
         kind, _, number = arch.partition("_")
         digits = re.match(r"[0-9]+", number)
-        if not digits:
+        if kind not in ("sm", "compute") or not digits:
             continue
+        known = True
         arch_major, arch_minor = divmod(int(digits.group(0)), 10)
         if kind == "sm" and arch_major == major and arch_minor <= minor:
             return True  # binaries run on later minor revisions of the same major
         if kind == "compute" and (arch_major, arch_minor) <= (major, minor):
             return True  # PTX is compiled for newer GPUs at load time
-    return False
+    return not known  # an empty or unfamiliar list: say nothing rather than guess
 
 
 def check_device_count(

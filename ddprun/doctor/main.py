@@ -56,14 +56,20 @@ def run_doctor(
     as_json: bool = False,
     console: Console | None = None,
 ) -> int:
-    """Check this machine for DDP; 0 when nothing failed (with strict, nothing warned), else 1."""
+    """Check this machine for DDP; 0 when nothing failed (with strict, nothing warned), else 1.
+
+    Raises UsageError for a timeout or size that cannot work, before anything runs.
+    """
+    check_options(max_bytes=max_bytes, timeout_s=timeout_s)
     console = console or Console(stderr=True)
     with console.status("ddprun doctor: checking this machine"):
         facts = probe.gather(dict(os.environ))
     results = evaluate(facts)
     bandwidth: Sequence[Mapping] = ()
     plan = None
-    if smoke:
+    if smoke and facts.torch.version is None:
+        results.append(CheckResult("smoke test", checks.SKIP, "not run: torch cannot be imported"))
+    elif smoke:
         plan = plan_smoke(facts, max_bytes=max_bytes, timeout_s=timeout_s)
         with console.status(f"ddprun doctor: smoke test, {plan.nranks} ranks on {plan.backend}"):
             outcome = run_smoke(plan)
@@ -78,6 +84,13 @@ def run_doctor(
     return exit_code(results, strict=strict)
 
 
+def check_options(*, max_bytes: int | None, timeout_s: float) -> None:
+    if not timeout_s > 0:
+        raise UsageError(f"--timeout {timeout_s:g}: give a number of seconds above 0, e.g. --timeout 120")
+    if max_bytes is not None and max_bytes < 8:
+        raise UsageError(f"--max-bytes {max_bytes}: the sweep starts at 8 bytes; give 8 or more, e.g. --max-bytes 64M")
+
+
 def exit_code(results: Sequence[CheckResult], *, strict: bool) -> int:
     bad = (FAIL, WARN) if strict else (FAIL,)
     return 1 if any(result.status in bad for result in results) else 0
@@ -90,7 +103,9 @@ def exit_code(results: Sequence[CheckResult], *, strict: bool) -> int:
 
 def evaluate(facts: probe.Facts) -> list[CheckResult]:
     """Every check, in report order: system, PyTorch, GPUs, network, environment."""
-    return system_checks(facts.system) + torch_checks(facts) + gpu_checks(facts) + net_checks(facts) + env_checks(facts)
+    return (
+        system_checks(facts.system) + torch_checks(facts) + gpu_checks(facts) + net_checks(facts) + env_checks(facts)
+    )
 
 
 def system_checks(s: probe.SystemFacts) -> list[CheckResult]:
@@ -107,7 +122,9 @@ def system_checks(s: probe.SystemFacts) -> list[CheckResult]:
 
 def torch_checks(facts: probe.Facts) -> list[CheckResult]:
     t = facts.torch
-    found = [checks.check_torch(version=t.version, cuda_build=t.cuda_build, cudnn=t.cudnn, nccl=t.nccl, error=t.error)]
+    found = [
+        checks.check_torch(version=t.version, cuda_build=t.cuda_build, cudnn=t.cudnn, nccl=t.nccl, error=t.error)
+    ]
     if t.version is None:
         return found
     return found + [
@@ -150,23 +167,32 @@ def gpu_checks(facts: probe.Facts) -> list[CheckResult]:
     return found
 
 
-def match_torch_gpu(visible: devices.VisibleGpu, ordinal: int, torch_gpus: Sequence[checks.TorchGpu]) -> checks.TorchGpu | None:
+def match_torch_gpu(
+    visible: devices.VisibleGpu, ordinal: int, torch_gpus: Sequence[checks.TorchGpu]
+) -> checks.TorchGpu | None:
     """torch's view of a visible GPU: by UUID (CUDA may number GPUs differently), else by position."""
     if visible.gpu is not None:
         for candidate in torch_gpus:
-            if candidate.uuid == visible.gpu.uuid:
+            if candidate.uuid.lower() == visible.gpu.uuid.lower():
                 return candidate
     return torch_gpus[ordinal] if ordinal < len(torch_gpus) else None
 
 
 def net_checks(facts: probe.Facts) -> list[CheckResult]:
     n, env = facts.net, facts.env
+    ifnames = [
+        checks.check_socket_ifname(variable=variable, value=env.get(variable), interfaces=n.interfaces)
+        for variable in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+    ]
     return [
-        checks.check_hostname(hostname=n.hostname, addresses=n.host_addresses, error=n.host_error, interfaces=n.interfaces),
+        checks.check_hostname(
+            hostname=n.hostname, addresses=n.host_addresses, error=n.host_error, interfaces=n.interfaces
+        ),
         checks.check_interfaces(interfaces=n.interfaces),
-        checks.check_socket_ifname(variable="NCCL_SOCKET_IFNAME", value=env.get("NCCL_SOCKET_IFNAME"), interfaces=n.interfaces),
-        checks.check_socket_ifname(variable="GLOO_SOCKET_IFNAME", value=env.get("GLOO_SOCKET_IFNAME"), interfaces=n.interfaces),
-        checks.check_master_addr(value=env.get("MASTER_ADDR"), addresses=n.master_addr_addresses, error=n.master_addr_error),
+        *ifnames,
+        checks.check_master_addr(
+            value=env.get("MASTER_ADDR"), addresses=n.master_addr_addresses, error=n.master_addr_error
+        ),
         checks.check_port(port=n.port, free=n.port_free, holder=n.port_holder),
     ]
 
@@ -193,10 +219,16 @@ def plan_smoke(facts: probe.Facts, *, max_bytes: int | None, timeout_s: float) -
     else:
         launch_flags, nranks, backend = ("--nproc", str(CPU_RANKS), "--cpu"), CPU_RANKS, "gloo"
     # The process group times out before the doctor does, so a hang usually comes back as an error.
-    smoke_flags = ("--timeout", f"{max(5.0, timeout_s - 15.0):g}", "--sweep-budget", f"{max(2.0, timeout_s / 4):g}")
+    smoke_flags: tuple[str, ...] = (
+        "--backend", backend,
+        "--timeout", f"{max(5.0, timeout_s - 15.0):g}",
+        "--sweep-budget", f"{max(2.0, timeout_s / 4):g}",
+    )
     if max_bytes is not None:
         smoke_flags += ("--max-bytes", str(max_bytes))
-    return SmokePlan(launch_flags=launch_flags, smoke_flags=smoke_flags, nranks=nranks, backend=backend, timeout_s=timeout_s)
+    return SmokePlan(
+        launch_flags=launch_flags, smoke_flags=smoke_flags, nranks=nranks, backend=backend, timeout_s=timeout_s
+    )
 
 
 def smoke_argv(plan: SmokePlan, *, out: Path, progress_dir: Path, log_dir: Path) -> list[str]:
@@ -214,7 +246,9 @@ def run_smoke(plan: SmokePlan) -> SmokeOutcome:
         progress_dir.mkdir()
         # The job's own log folder goes in our temp folder, so nothing is left behind.
         argv = smoke_argv(plan, out=out, progress_dir=progress_dir, log_dir=work / "logs")
-        returncode, timed_out, progress = launch(argv, log_path=log_path, timeout_s=plan.timeout_s, progress_dir=progress_dir)
+        returncode, timed_out, progress = launch(
+            argv, log_path=log_path, timeout_s=plan.timeout_s, progress_dir=progress_dir
+        )
         report = read_report(out)
         tail = read_tail(log_path)
     results = checks.check_smoke(
@@ -239,7 +273,12 @@ def launch(
     """Run argv in a new process group with a hard timeout: (exit code, timed out, progress at the timeout)."""
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=smoke_env(os.environ), start_new_session=True
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=smoke_env(os.environ),
+            start_new_session=True,  # its own process group: one signal reaches the launcher and its helpers
         )
         try:
             return process.wait(timeout=timeout_s), False, read_progress(progress_dir)

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ddprun.doctor.checks import EXIT_STEP, FAIL, OK, SKIP, format_progress
+from ddprun.doctor.checks import EXIT_STEP, FAIL, OK, SKIP, format_progress, human_bytes
 
 CHECK_ELEMENTS = 1031  # odd, so no collective algorithm gets an even split for free
 DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
@@ -30,16 +30,19 @@ HALF_DTYPES = ("float16", "bfloat16")
 class Smoke:
     """One rank's run: the steps so far, and where they are written."""
 
-    def __init__(self, *, args: argparse.Namespace, rank: int, world: int, device: torch.device, backend: str):
-        self.args, self.rank, self.world = args, rank, world
-        self.device, self.backend = device, backend
+    def __init__(self, *, args: argparse.Namespace, rank: int, local_rank: int, world: int):
+        self.args, self.rank, self.local_rank, self.world = args, rank, local_rank, world
+        self.backend = args.backend or ("nccl" if local_rank < _cuda_devices() else "gloo")
+        self.device = torch.device("cpu")  # set by run(), once the backend's device is known
         self.steps: list[dict] = []
         self.bandwidth: list[dict] = []
+        self.step = "start"
         self._index = 0
 
     def mark(self, step: str) -> None:
         """Record the step this rank is about to run (atomically: the doctor may read at any time)."""
         self._index += 1
+        self.step = step
         path = os.path.join(self.args.progress_dir, f"rank{self.rank}")
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             f.write(format_progress(pid=os.getpid(), index=self._index, step=step))
@@ -74,11 +77,19 @@ def describe_device(device: torch.device) -> str:
     return "CPU"
 
 
-def pick_device(local_rank: int) -> tuple[torch.device, str]:
-    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
+def _cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pick_device(*, backend: str, local_rank: int) -> torch.device:
+    """nccl: the GPU at LOCAL_RANK (one per rank); gloo: the CPU."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    count = _cuda_devices()
+    if local_rank >= count:
+        raise RuntimeError(f"nccl needs one GPU per rank: LOCAL_RANK={local_rank}, but torch sees {count} GPU(s)")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 # ---------------------------------------------------------------------------------------
@@ -99,35 +110,40 @@ def check_all_reduce(smoke: Smoke, dtype_name: str) -> tuple[str, str]:
     expected = (pattern * (smoke.world * (smoke.world + 1) // 2)).to(torch.float64)
     got = tensor.to(torch.float64)
     tolerance = 1e-2 if dtype_name in HALF_DTYPES else 0.0
-    if torch.allclose(got, expected, rtol=tolerance, atol=0.0):
+    wrong = ~torch.isclose(got, expected, rtol=tolerance, atol=0.0)
+    example = _first_diff(got, expected, wrong) if bool(wrong.any()) else ""
+    total = _total_over_ranks(smoke, int(wrong.sum()))  # rank 0 reports for every rank
+    if total == 0:
         how = "within 1%" if tolerance else "exact"
         return OK, f"sum over {smoke.world} ranks of {CHECK_ELEMENTS} values is {how}"
-    wrong = int((~torch.isclose(got, expected, rtol=tolerance, atol=0.0)).sum())
-    return FAIL, f"{wrong} of {CHECK_ELEMENTS} values wrong after all_reduce (first: {_first_diff(got, expected)})"
+    where = f"; here {example}" if example else " on other ranks"
+    return FAIL, f"{total} wrong values after all_reduce, counted over all ranks{where}"
 
 
 def check_broadcast(smoke: Smoke) -> tuple[str, str]:
     expected = torch.arange(CHECK_ELEMENTS, dtype=torch.int64, device=smoke.device) * 3 + 11
     tensor = expected.clone() if smoke.rank == 0 else torch.zeros_like(expected)
     dist.broadcast(tensor, src=0)
-    flag = torch.tensor([0 if torch.equal(tensor, expected) else 1], device=smoke.device)
-    dist.all_reduce(flag)  # rank 0 reports, so it must learn what the others received
-    if int(flag.item()) == 0:
+    failed = _total_over_ranks(smoke, 0 if torch.equal(tensor, expected) else 1)
+    if failed == 0:
         return OK, f"every rank received rank 0's {CHECK_ELEMENTS} values"
-    return FAIL, f"{int(flag.item())} rank(s) received wrong values from rank 0"
+    return FAIL, f"{failed} rank(s) received wrong values from rank 0"
 
 
 def check_barrier(smoke: Smoke) -> tuple[str, str]:
     start = time.perf_counter()
-    if smoke.backend == "nccl":
-        dist.barrier(device_ids=[smoke.device.index])
-    else:
-        dist.barrier()
+    _barrier(smoke)
     return OK, f"all {smoke.world} ranks passed in {(time.perf_counter() - start) * 1e3:.1f} ms"
 
 
-def _first_diff(got: torch.Tensor, expected: torch.Tensor) -> str:
-    index = int((got != expected).nonzero()[0])
+def _total_over_ranks(smoke: Smoke, count: int) -> int:
+    total = torch.tensor([count], dtype=torch.int64, device=smoke.device)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def _first_diff(got: torch.Tensor, expected: torch.Tensor, wrong: torch.Tensor) -> str:
+    index = int(wrong.nonzero()[0])
     return f"[{index}] = {got[index].item():g}, expected {expected[index].item():g}"
 
 
@@ -143,7 +159,7 @@ def _first_line(error: BaseException) -> str:
 def iterations(size: int, *, gpu: bool) -> tuple[int, int]:
     """(warm-up, timed) iterations for one message size: fewer at large sizes to bound the run."""
     traffic = (8 << 30) if gpu else (256 << 20)  # bytes moved per size, roughly
-    timed = max(2, min(20, traffic // size))
+    timed = max(2, min(50, traffic // size))
     return (3 if size < (1 << 20) else 1), timed
 
 
@@ -157,7 +173,7 @@ def sweep(smoke: Smoke) -> None:
     start = time.perf_counter()
     size = 8
     while size <= smoke.args.max_bytes:
-        smoke.mark(f"bandwidth {size} bytes")
+        smoke.mark(f"bandwidth {human_bytes(size)}")
         per_op_s, elapsed_s = _measure(smoke, size=size, start=start)
         algbw = size / per_op_s / 1e9
         smoke.bandwidth.append(
@@ -207,7 +223,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m ddprun.doctor.smoke", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="where rank 0 writes the results (JSON)")
     parser.add_argument("--progress-dir", required=True, help="where each rank records its current step")
-    parser.add_argument("--max-bytes", type=int, default=None, help="largest all-reduce (default 64 MiB CPU, 1 GiB GPU)")
+    parser.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl where this rank has a GPU")
+    parser.add_argument("--max-bytes", type=int, help="largest all-reduce (default 64 MiB CPU, 1 GiB GPU)")
     parser.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, seconds")
     parser.add_argument("--sweep-budget", type=float, default=20.0, help="stop the sweep after this many seconds")
     return parser.parse_args(argv)
@@ -220,6 +237,9 @@ def correctness_steps(smoke: Smoke) -> list[tuple[str, Callable[[], tuple[str, s
 
 def run(smoke: Smoke) -> None:
     smoke.mark("init_process_group")
+    smoke.device = pick_device(backend=smoke.backend, local_rank=smoke.local_rank)
+    if smoke.args.max_bytes is None:
+        smoke.args.max_bytes = (1 << 30) if smoke.device.type == "cuda" else (64 << 20)
     options = {"device_id": smoke.device} if smoke.backend == "nccl" else {}
     dist.init_process_group(smoke.backend, timeout=timedelta(seconds=smoke.args.timeout), **options)
     smoke.record("init_process_group", OK, f"{smoke.backend}, {smoke.world} ranks, {describe_device(smoke.device)}")
@@ -233,21 +253,18 @@ def run(smoke: Smoke) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        print("ddprun.doctor.smoke runs under a launcher: ddprun run --nproc 2 --cpu -m ddprun.doctor.smoke -- ...", file=sys.stderr)
+        usage = "ddprun run --nproc 2 --cpu -m ddprun.doctor.smoke -- --out FILE --progress-dir DIR"
+        print(f"ddprun.doctor.smoke runs under a launcher: {usage}", file=sys.stderr)
         return 2
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device, backend = pick_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if args.max_bytes is None:
-        args.max_bytes = (1 << 30) if device.type == "cuda" else (64 << 20)
-    smoke = Smoke(args=args, rank=rank, world=world, device=device, backend=backend)
-    step = "init_process_group"
+    smoke = Smoke(args=args, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")), world=world)
     code = 0
     try:
         run(smoke)
+        code = 1 if any(step["status"] == FAIL for step in smoke.steps) else 0
     except Exception as error:  # reported as this step's failure; the launcher shows the rank's output
-        step = _current_step(args.progress_dir, rank) or step
-        smoke.record(step, FAIL, f"{type(error).__name__}: {_first_line(error)}")
-        print(f"ddprun doctor smoke: rank {rank} failed in {step}: {error}", file=sys.stderr)
+        smoke.record(smoke.step, FAIL, f"{type(error).__name__}: {_first_line(error)}")
+        print(f"ddprun doctor smoke: rank {rank} failed in {smoke.step}: {error}", file=sys.stderr)
         code = 1
     finally:
         if dist.is_initialized():
@@ -256,14 +273,6 @@ def main(argv: list[str] | None = None) -> int:
             smoke.record("destroy_process_group", OK, "clean shutdown")
         smoke.mark(EXIT_STEP)  # all done: a timeout from here on is the exit, not a collective
     return code
-
-
-def _current_step(progress_dir: str, rank: int) -> str | None:
-    try:
-        with open(os.path.join(progress_dir, f"rank{rank}"), encoding="utf-8") as f:
-            return f.read().split(" ", 2)[2].strip()
-    except (OSError, IndexError):
-        return None
 
 
 if __name__ == "__main__":

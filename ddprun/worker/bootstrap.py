@@ -127,7 +127,9 @@ def main() -> None:
     before = _file_state(error_file) if error_file else None
     try:
         run_user_code(argv)
-    except Exception as exc:  # SystemExit and KeyboardInterrupt pass through untouched
+    except KeyboardInterrupt as exc:
+        _die_interrupted(exc)
+    except Exception as exc:  # SystemExit passes through untouched
         exc.__traceback__ = user_traceback(exc.__traceback__)
         # A user's own @record has written the file already (same format): keep theirs.
         if error_file and _file_state(error_file) == before:
@@ -135,6 +137,16 @@ def main() -> None:
         # What Python does with an uncaught exception, without our frames on top of it.
         _print_exception(exc)
         raise SystemExit(1) from None
+
+
+def _die_interrupted(exc: KeyboardInterrupt) -> None:
+    """The launcher forwarded Ctrl-C: say in one line where this rank was, then die by SIGINT
+    as Python itself would, without a traceback on every rank's console."""
+    frames = traceback.extract_tb(user_traceback(exc.__traceback__))
+    where = f" in {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    print(f"interrupted{where}", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _print_exception(exc: BaseException) -> None:

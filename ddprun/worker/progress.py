@@ -28,6 +28,7 @@ class RunSummary:
     wall_time_s: float
     final_loss: Optional[float]  # mean training loss of the last epoch run, over all ranks
     val_accuracy: Optional[float]  # None without a validation set
+    val_samples: int  # validation images counted over all ranks (each exactly once)
     peak_memory_bytes: int  # largest over ranks: CUDA allocated, or CPU resident set
     peak_memory_kind: str  # "cuda" | "rss"
     model: str
@@ -100,8 +101,10 @@ class Reporter:
         print(f"epoch {(self._epoch or 0) + 1}/{self._epochs} step {step}/{self._total} loss {loss:.4f} "
               f"{self._speed(step, now):,.1f} samples/s eta {eta}", file=self._stream, flush=True)
 
-    def end_epoch(self, epoch: int, *, loss: Optional[float], val_accuracy: Optional[float]) -> None:
-        parts = [f"epoch {epoch + 1}/{self._epochs} done"]
+    def end_epoch(self, epoch: int, *, loss: Optional[float], val_accuracy: Optional[float],
+                  stopped_at: Optional[int] = None) -> None:
+        done = "done" if stopped_at is None else f"stopped at step {stopped_at} (--max-steps)"
+        parts = [f"epoch {epoch + 1}/{self._epochs} {done}"]
         if loss is not None:
             parts.append(f"loss {loss:.4f}")
         if val_accuracy is not None:
@@ -129,7 +132,8 @@ class NullReporter:
 
     def start_epoch(self, epoch: int) -> None: ...
     def step(self, step: int, loss: Callable[[], float]) -> None: ...
-    def end_epoch(self, epoch: int, *, loss: Optional[float], val_accuracy: Optional[float]) -> None: ...
+    def end_epoch(self, epoch: int, *, loss: Optional[float], val_accuracy: Optional[float],
+                  stopped_at: Optional[int] = None) -> None: ...
     def note(self, message: str) -> None: ...
     def close(self) -> None: ...
     def summary(self, summary: RunSummary) -> None: ...

@@ -141,10 +141,14 @@ def init_distributed(opts: TrainOptions, *, env: DistEnv, device: torch.device) 
     timeout = timedelta(seconds=opts.collective_timeout)
     device_id = device if device.type == "cuda" else None
     if env.launched:
-        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        # torch elastic keeps one store across restarts; the previous round's keys (dead peers' addresses)
+        # would make a restarted gloo group connect to ranks that no longer exist. A prefix per round avoids it.
+        store = dist.PrefixStore(f"ddprun/restart-{env.restart_count}", store)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
-                                device_id=device_id)
+        store = dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                            device_id=device_id)
 
 
 def ready_barrier(opts: TrainOptions, *, device: torch.device) -> None:
@@ -226,7 +230,8 @@ def train_step(c: Components, micro_batches: Sequence[Batch]) -> torch.Tensor:
     else:
         c.scaler.step(c.optimizer)
         c.scaler.update()
-    c.optimizer.zero_grad(set_to_none=True)
+    # Zeroing in place keeps each .grad a view into DDP's buckets (gradient_as_bucket_view): no copies.
+    c.optimizer.zero_grad(set_to_none=False)
     return total if count == 1 else total / count
 
 
@@ -292,10 +297,10 @@ def mean_over_ranks(total: torch.Tensor, count: int) -> Optional[float]:
 
 
 @torch.no_grad()
-def evaluate(c: Components) -> Optional[float]:
-    """Accuracy on the validation set: each rank its own shard, correct and total all-reduced."""
+def evaluate(c: Components) -> tuple[Optional[float], int]:
+    """(accuracy, samples) on the validation set: each rank its own shard, correct and total all-reduced."""
     if c.data.val is None:
-        return None
+        return None, 0
     c.raw.eval()  # the raw module: shards differ in length, so no DDP collectives in here
     counts = torch.zeros(2, dtype=torch.float64, device=c.device)
     for images, labels in c.data.val.batches():
@@ -305,7 +310,8 @@ def evaluate(c: Components) -> Optional[float]:
         counts[1] += labels.numel()
     c.raw.train()
     dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item() if counts[1] > 0 else None
+    correct, total = counts.tolist()
+    return (correct / total if total else None), int(total)
 
 
 def save_checkpoint(c: Components, pos: Position, *, opts: TrainOptions, env: DistEnv) -> None:
@@ -414,6 +420,7 @@ def _announce(opts: TrainOptions, *, env: DistEnv, device: torch.device, per_epo
 class LoopOutcome:
     final_loss: Optional[float] = None
     val_accuracy: Optional[float] = None
+    val_samples: int = 0
     epochs_run: int = 0
     clock: Optional[StepClock] = None
 
@@ -430,9 +437,10 @@ def train_loop(c: Components, pos: Position, *, opts: TrainOptions, env: DistEnv
         loss_sum, count = run_epoch(c, pos, opts=opts, total_steps=total_steps, clock=outcome.clock,
                                     reporter=reporter)
         outcome.final_loss = mean_over_ranks(loss_sum, count)
-        outcome.val_accuracy = evaluate(c)
+        outcome.val_accuracy, outcome.val_samples = evaluate(c)
         outcome.epochs_run += 1
-        reporter.end_epoch(epoch, loss=outcome.final_loss, val_accuracy=outcome.val_accuracy)
+        reporter.end_epoch(epoch, loss=outcome.final_loss, val_accuracy=outcome.val_accuracy,
+                           stopped_at=None if pos.epoch > epoch else pos.step)
         finished = pos.epoch >= opts.epochs or pos.step >= total_steps
         if opts.checkpoint_dir and (finished or pos.epoch % opts.save_every == 0):
             save_checkpoint(c, pos, opts=opts, env=env)
@@ -450,7 +458,7 @@ def _summarize(c: Components, pos: Position, outcome: LoopOutcome, *, opts: Trai
         steps=pos.step, epochs=pos.epoch, samples_per_sec=speed,
         samples_per_sec_per_process=None if speed is None else speed / env.world_size,
         wall_time_s=time.perf_counter() - began, final_loss=outcome.final_loss,
-        val_accuracy=outcome.val_accuracy, peak_memory_bytes=memory, peak_memory_kind=kind,
+        val_accuracy=outcome.val_accuracy, val_samples=outcome.val_samples, peak_memory_bytes=memory, peak_memory_kind=kind,
         model=opts.model, device=c.device.type, resumed_from_step=checkpoint["step"] if checkpoint else None,
     )
 
