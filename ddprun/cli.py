@@ -132,6 +132,54 @@ def run(
     raise typer.Exit(_launch_or_print(_plan(options), dry_run=dry_run, as_json=as_json))
 
 
+@app.command()
+def doctor(
+    no_smoke: Annotated[bool, typer.Option("--no-smoke", help="Skip the live all-reduce test.")] = False,
+    max_bytes: Annotated[Optional[str], typer.Option("--max-bytes", help="Largest all-reduce of the bandwidth sweep, e.g. 64M or 1G. Default: 64M on CPU, 1G on GPU.", show_default=False)] = None,
+    timeout: Annotated[str, typer.Option("--timeout", help="Seconds after which a hung smoke test is stopped and reported.")] = "60",
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the checks and the bandwidth table as JSON on stdout.")] = False,
+) -> None:
+    """Is this machine ready for DDP? Versions, GPUs, NCCL, /dev/shm, ports, network, and a live all-reduce."""
+    from ddprun.doctor import checks
+    from ddprun.doctor.main import run_doctor
+
+    code = run_doctor(
+        smoke=not no_smoke,
+        max_bytes=checks.parse_size(max_bytes) if max_bytes else None,
+        timeout_s=preflight.parse_seconds(timeout, flag="--timeout"),
+        strict=strict,
+        as_json=as_json,
+        console=stderr,
+    )
+    raise typer.Exit(code)
+
+
+@app.command(context_settings=PASSTHROUGH)
+def sbatch(
+    command: Annotated[List[str], typer.Argument(help="The ddprun command every node runs, e.g. train --epochs 10 (after --).", show_default=False)],
+    nodes: Annotated[str, typer.Option("--nodes", "-N", help="Number of nodes.")] = "1",
+    gpus_per_node: Annotated[str, typer.Option("--gpus-per-node", help="GPUs per node (0 for CPU nodes).")] = "8",
+    time: Annotated[Optional[str], typer.Option("--time", "-t", help="Time limit, e.g. 04:00:00 or 1-00:00:00.", show_default=False)] = None,
+    partition: Annotated[Optional[str], typer.Option("--partition", "-p", help="SLURM partition.", show_default=False)] = None,
+    account: Annotated[Optional[str], typer.Option("--account", "-A", help="SLURM account.", show_default=False)] = None,
+    job_name: Annotated[str, typer.Option("--job-name", "-J", help="Job name.")] = "ddprun",
+    cpus_per_task: Annotated[Optional[str], typer.Option("--cpus-per-task", "-c", help="CPU cores per node for ddprun and its workers.", show_default=False)] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Log file pattern. Default: %x-%j.out", show_default=False)] = None,
+) -> None:
+    """Print an sbatch script that runs a ddprun command on N nodes (one ddprun per node, via srun)."""
+    from ddprun.sbatch import render_sbatch
+
+    print(render_sbatch(
+        nodes=preflight.parse_int(nodes, flag="--nodes", example="2"),
+        gpus_per_node=preflight.parse_int(gpus_per_node, flag="--gpus-per-node", example="8"),
+        ddprun_args=preflight.script_args(command),
+        job_name=job_name, time=time, partition=partition, account=account,
+        cpus_per_task=preflight.parse_int(cpus_per_task, flag="--cpus-per-task", example="32"),
+        output=output,
+    ), end="")
+
+
 def main() -> None:
     """Console entry point: the only place a DdprunError becomes a message and an exit code."""
     try:

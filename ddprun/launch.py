@@ -10,11 +10,14 @@ import logging
 import os
 import signal
 import sys
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 from rich.console import Console
+from rich.markup import escape
 
-from ddprun import rendezvous, report
+from ddprun import rendezvous, report, signals
+from ddprun.errors import DdprunError
 from ddprun.plan import BOOTSTRAP_MODULE, LaunchPlan
 from ddprun.worker.bootstrap import LAUNCHER_PID_ENV
 
@@ -26,42 +29,94 @@ _ELASTIC_LOGGER = "torch.distributed.elastic"
 _AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
 
 
+@dataclass
+class _Rendezvous:
+    torchrun_args: list[str]
+    held: rendezvous.HeldStore | None
+
+
 def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] = lambda: None) -> int:
     """Launch the job and return ddprun's exit code. Raises UsageError if the port is taken.
 
     `announce` runs once the rendezvous port is held, just before the workers start.
     """
+    # Imported before the loggers are tuned: torch sets each module logger's level on import.
+    import torch.distributed.run  # noqa: F401
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     sys.stdout.reconfigure(line_buffering=True)  # ranks' lines reach a pipe as they come
     os.environ.update(plan.env)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    with _quiet_torch_logs() as restarts, _held_rendezvous(plan) as torchrun_args:
-        launcher, logs = _build_launcher(plan, torchrun_args)
-        restarts.console, restarts.logs = console, logs
+    say = _sayer(console)
+    with _quiet_torch_logs(say) as events, _held_rendezvous(plan, say=say) as rdzv, \
+            _join_watch(plan, rdzv, say=say) as watch:
+        launcher, logs = _build_launcher(plan, rdzv, on_start=watch.started if watch else None)
+        events.logs = logs
         announce()
-        with _signal_handling(plan, console=console):
+
+        def graceful_stop(sig: signal.Signals) -> None:
+            raise SignalException(f"ddprun got {sig.name}", sigval=sig)
+
+        with signals.handling(forward=plan.forward_signals, graceful_stop=graceful_stop,
+                              workers_started=lambda: logs.current is not None, say=say):
             try:
                 launcher()
                 return 0
             except ChildFailedError as failed:
                 return _report_failure(failed, plan=plan, logs=logs, console=console)
             except SignalException as stopped:
-                return _report_signal(stopped.sigval, console=console)
+                say(f"stopped by {stopped.sigval.name}; the workers were stopped too.")
+                return 128 + int(stopped.sigval)
+            except Exception as error:
+                _raise_if_join_failed(error, watch=watch, logs=logs)
+                raise
+
+
+def _sayer(console: Console) -> Callable[[str], None]:
+    return lambda text: console.print(f"[bold]ddprun:[/] {escape(text)}")
 
 
 @contextlib.contextmanager
-def _held_rendezvous(plan: LaunchPlan) -> Iterator[list[str]]:
-    """Hold the store's socket for the job's life; yield the torchrun args with the real port."""
-    if not plan.host_store:
-        yield plan.torchrun_args
-        return
+def _held_rendezvous(plan: LaunchPlan, *, say: Callable[[str], None]) -> Iterator[_Rendezvous]:
+    """Hold the store's socket for the job's life when this node serves it; yield the torchrun
+    args with the port actually held."""
     host, port = _split_endpoint(plan.endpoint)
-    flag = "--port" if host == "127.0.0.1" else "--master"
-    with rendezvous.hold_store(host, port, flag=flag) as held:
-        real = f"{plan.endpoint.rsplit(':', 1)[0]}:{held.port}"
-        yield [real if arg == plan.endpoint else arg for arg in plan.torchrun_args]
+    address = rendezvous.local_address(host) if plan.store_role != "client" else None
+    if address is None:
+        if plan.store_role == "host":
+            raise DdprunError(f"{host} is not an address of this machine, so node 0's store cannot listen there")
+        yield _Rendezvous(plan.torchrun_args, None)
+        return
+    flag = "--port" if plan.nnodes == "1" else plan.source.get("endpoint", "--master")
+    with contextlib.ExitStack() as stack:
+        try:
+            held = stack.enter_context(rendezvous.hold_store(address, port, flag=flag))
+        except rendezvous.PortTakenError:
+            if plan.store_role == "host":
+                raise
+            # c10d: another process on this machine serves this endpoint: join it, as torchrun does.
+            say(f"{plan.endpoint} is served by another process on this machine: joining it")
+            held = None
+        if held is None:
+            yield _Rendezvous(plan.torchrun_args, None)
+        else:
+            real = f"{plan.endpoint.rsplit(':', 1)[0]}:{held.port}"
+            yield _Rendezvous([real if arg == plan.endpoint else arg for arg in plan.torchrun_args], held)
+
+
+@contextlib.contextmanager
+def _join_watch(plan: LaunchPlan, rdzv: _Rendezvous, *, say: Callable[[str], None]) -> Iterator[Any]:
+    """Multi-node jobs only: a visible wait for the other nodes, and a count for the timeout."""
+    if plan.nnodes == "1":
+        yield None
+        return
+    watch = rendezvous.JoinWatch(
+        endpoint=plan.endpoint, rdzv_id=plan.rdzv_id, nnodes=plan.nnodes, timeout_s=plan.join_timeout_s,
+        say=say, store=rdzv.held.store if rdzv.held else None,
+    )
+    with watch:
+        yield watch
 
 
 def _split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -69,7 +124,7 @@ def _split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _build_launcher(plan: LaunchPlan, torchrun_args: list[str]):
+def _build_launcher(plan: LaunchPlan, rdzv: _Rendezvous, *, on_start: Callable[[], None] | None):
     from torch.distributed import run as torchrun
     from torch.distributed.launcher.api import elastic_launch
 
@@ -77,25 +132,30 @@ def _build_launcher(plan: LaunchPlan, torchrun_args: list[str]):
 
     # torchrun's argparse rejects user arguments that abbreviate its own options (a script's
     # --nproc "could match --nproc-per-node"), so only the launcher's part goes through it.
-    split = torchrun_args.index(BOOTSTRAP_MODULE) + 1
-    config, entrypoint, entrypoint_args = torchrun.config_from_args(torchrun.parse_args(torchrun_args[:split]))
-    entrypoint_args = [*entrypoint_args, *torchrun_args[split:]]
-    single_node = plan.host_store and plan.nnodes == "1"
+    split = rdzv.torchrun_args.index(BOOTSTRAP_MODULE) + 1
+    config, entrypoint, entrypoint_args = torchrun.config_from_args(torchrun.parse_args(rdzv.torchrun_args[:split]))
+    entrypoint_args = [*entrypoint_args, *rdzv.torchrun_args[split:]]
+    refresh_store = rdzv.held is not None and plan.nnodes == "1"
+
+    def on_attempt(number: int, envs: dict[int, dict[str, str]]) -> None:
+        if on_start:
+            on_start()
+        if refresh_store:
+            rendezvous.fresh_worker_store(number, envs)
+
     logs = RankLogsSpecs(
-        plan.log_dir,
-        console_ranks=set(plan.ranks) if plan.ranks is not None else None,
-        on_attempt=rendezvous.fresh_worker_store if single_node else lambda number, envs: None,
+        plan.log_dir, console_ranks=set(plan.ranks) if plan.ranks is not None else None, on_attempt=on_attempt,
     )
     config.logs_specs = logs
     config.log_line_prefix_template = LINE_PREFIX_TEMPLATE
     config.shutdown_timeout = int(round(plan.grace_period_s))
     config.signals_to_handle = ",".join(s for s in _TORCH_HANDLED if s not in plan.forward_signals)
-    if plan.host_store and config.rdzv_backend == "c10d":
-        config.rdzv_backend = rendezvous.register_backend(bind_host=_split_endpoint(plan.endpoint)[0])
+    if rdzv.held is not None and config.rdzv_backend == "c10d":
+        config.rdzv_backend = rendezvous.register_backend(bind_host=rdzv.held.host)
     return (lambda: elastic_launch(config, entrypoint)(*entrypoint_args)), logs
 
 
-def _report_failure(failed, *, plan: LaunchPlan, logs, console: Console) -> int:
+def _report_failure(failed: Any, *, plan: LaunchPlan, logs: Any, console: Console) -> int:
     attempt = logs.current
     stderr_logs = {rank: attempt.stderr_log(rank) for rank in attempt.global_ranks.values()} if attempt else {}
     failures = report.failures_from_torch(failed.failures, stderr_logs=stderr_logs)
@@ -103,65 +163,19 @@ def _report_failure(failed, *, plan: LaunchPlan, logs, console: Console) -> int:
     return report.exit_code_for(report.root_cause(failures))
 
 
-def _report_signal(sig: signal.Signals, *, console: Console) -> int:
-    console.print(f"[bold red]ddprun:[/] stopped by {sig.name}; the workers were stopped too.")
-    return 128 + int(sig)
+def _raise_if_join_failed(error: Exception, *, watch: Any, logs: Any) -> None:
+    """A rendezvous that timed out before any worker started becomes one clear message."""
+    from torch.distributed import DistStoreError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-
-# --- signals -----------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _signal_handling(plan: LaunchPlan, *, console: Console) -> Iterator[None]:
-    """First SIGINT/SIGTERM: stop the workers gracefully (torch sends them the same signal,
-    waits the grace period, then SIGKILLs). A second one: SIGKILL everything and exit now."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    received: list[signal.Signals] = []
-
-    def stop(signum, _frame):
-        sig = signal.Signals(signum)
-        if received:
-            _kill_children(signal.SIGKILL)
-            console.print(f"[bold red]ddprun:[/] {sig.name} again: killed the workers.")
-            os._exit(128 + int(received[0]))
-        received.append(sig)
-        raise SignalException(f"ddprun got {sig.name}", sigval=sig)
-
-    def forward(signum, _frame):
-        _kill_children(signal.Signals(signum))
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    for name in plan.forward_signals:
-        previous[getattr(signal, name)] = signal.signal(getattr(signal, name), forward)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _kill_children(sig: signal.Signals) -> None:
-    """Signal this process's direct children: the workers (each in its own session)."""
-    me = os.getpid()
-    for pid in _child_pids(me):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-def _child_pids(parent: int) -> list[int]:
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent:
-            children.append(int(entry))
-    return children
+    if watch is None or logs.current is not None:
+        return
+    if isinstance(error, (RendezvousError, DistStoreError, TimeoutError)):
+        raise DdprunError(
+            watch.timeout_message(),
+            hint="start the same command on every node (each with its own --node-rank), check that the "
+            "port is open between the nodes, or wait longer with --join-timeout",
+        ) from error
 
 
 # --- torch's log records -------------------------------------------------------------------
@@ -175,20 +189,20 @@ class _ElasticEvents(logging.Handler):
     the formatted text. DDPRUN_DEBUG=1 lets torch's records through as they are.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, say: Callable[[str], None]) -> None:
         super().__init__(level=logging.INFO)
-        self.console: Console | None = None
+        self.say = say
         self.last_failure: tuple[int, int] | None = None  # (exit code, local rank)
         self.restarts = 0
-        self.logs = None  # RankLogsSpecs: maps a local rank to its global rank
+        self.logs: Any = None  # RankLogsSpecs: maps a local rank to its global rank
 
     def emit(self, record: logging.LogRecord) -> None:
-        msg = str(record.msg)
-        if msg.startswith("failed (exitcode:") and len(record.args or ()) >= 2:
-            self.last_failure = (int(record.args[0]), int(record.args[1]))
-        elif "attempts left" in msg and len(record.args or ()) >= 4 and self.console:
+        msg, args = str(record.msg), record.args or ()
+        if msg.startswith("failed (exitcode:") and len(args) >= 2:
+            self.last_failure = (int(args[0]), int(args[1]))
+        elif "attempts left" in msg and len(args) >= 4:
             self.restarts += 1
-            self.console.print(f"[yellow]ddprun:[/] restart {self.restarts}/{record.args[3]}: {self._reason()}")
+            self.say(f"restart {self.restarts}/{args[3]}: {self._reason()}")
 
     def _reason(self) -> str:
         if self.last_failure is None:
@@ -201,14 +215,13 @@ class _ElasticEvents(logging.Handler):
 
 
 @contextlib.contextmanager
-def _quiet_torch_logs() -> Iterator[_ElasticEvents]:
-    events = _ElasticEvents()
+def _quiet_torch_logs(say: Callable[[str], None]) -> Iterator[_ElasticEvents]:
+    events = _ElasticEvents(say)
     elastic = logging.getLogger(_ELASTIC_LOGGER)
-    debug = os.environ.get("DDPRUN_DEBUG") == "1"
     agent = logging.getLogger(_AGENT_LOGGER)
     saved = (elastic.propagate, agent.level)
     elastic.addHandler(events)
-    elastic.propagate = debug
+    elastic.propagate = os.environ.get("DDPRUN_DEBUG") == "1"
     agent.setLevel(logging.INFO)
     try:
         yield events

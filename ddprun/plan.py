@@ -19,6 +19,7 @@ LOOPBACK_IFNAME = "lo"
 BOOTSTRAP_MODULE = "ddprun.worker.bootstrap"
 DEFAULT_CPU_PROCS = 2
 DEFAULT_GRACE_PERIOD_S = 10.0
+DEFAULT_JOIN_TIMEOUT_S = 600.0  # torch's own default for both rendezvous backends
 # The signals a scheduler sends before preemption; forwarded to workers only on request.
 FORWARDABLE_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP")
 
@@ -69,10 +70,13 @@ class LaunchPlan:
     entrypoint: str
     rdzv_id: str
     endpoint: str
-    host_store: bool  # ddprun holds the store's listening socket (single node, or the store's node)
+    # Who serves the rendezvous store: "host" (ddprun binds and holds it: one node, or node 0 of
+    # a fixed set), "auto" (c10d: the node whose address the endpoint names), or "client".
+    store_role: str
     log_dir: str
     ranks: list[int] | None
     grace_period_s: float
+    join_timeout_s: float
     forward_signals: list[str]
     notices: list[str]
     source: dict[str, str]
@@ -125,10 +129,11 @@ def build_plan(
         entrypoint=options.entrypoint.describe(),
         rdzv_id=rdzv_id,
         endpoint=endpoint,
-        host_store=spec.endpoint is None or _is_store_host(spec),
+        store_role=_store_role(spec),
         log_dir=options.log_dir or f"{log_root.rstrip('/')}/{job_id}",
         ranks=ranks,
         grace_period_s=options.grace_period_s,
+        join_timeout_s=options.join_timeout_s or DEFAULT_JOIN_TIMEOUT_S,
         forward_signals=list(options.forward_signals),
         notices=notices,
         source=spec.sources(),
@@ -196,9 +201,12 @@ def _endpoint(spec: cluster.ClusterSpec, port: int | None) -> str:
     return str(spec.endpoint.value)
 
 
-def _is_store_host(spec: cluster.ClusterSpec) -> bool:
-    """The node of rank 0 of a fixed-membership job hosts the store (as torchrun's static rendezvous does)."""
-    return spec.rdzv_backend == "static" and int(spec.node_rank.value) == 0
+def _store_role(spec: cluster.ClusterSpec) -> str:
+    if spec.endpoint is None:
+        return "host"
+    if spec.rdzv_backend == "static":  # node 0 hosts it, as in torchrun's static rendezvous
+        return "host" if spec.node_rank.value == 0 else "client"
+    return "auto"
 
 
 def _worker_env(chosen: _Devices, *, env: Mapping[str, str], cpu_count: int, multi_node: bool) -> dict[str, str]:
@@ -246,6 +254,7 @@ def _torchrun_args(
     if spec.endpoint is None:
         args += ["--local-addr", LOOPBACK]
     if options.join_timeout_s is not None:
-        args += ["--rdzv-conf", f"join_timeout={int(options.join_timeout_s)}"]
+        key = "timeout" if spec.rdzv_backend == "static" else "join_timeout"  # each backend's own name
+        args += ["--rdzv-conf", f"{key}={max(1, round(options.join_timeout_s))}"]
     args += ["--max-restarts", str(options.max_restarts)]
     return args + ["-m", BOOTSTRAP_MODULE, *options.entrypoint.argv()]

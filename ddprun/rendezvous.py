@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import socket
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ddprun import portinfo
 from ddprun.errors import UsageError
@@ -22,6 +24,10 @@ from ddprun.errors import UsageError
 # The registered rendezvous backend: torch's c10d handler, with its worker store kept local.
 BACKEND_NAME = "ddprun-c10d"
 _LISTEN_BACKLOG = 2048
+
+
+class PortTakenError(UsageError):
+    """The store's port is in use: by another program, or by this job's own store host."""
 
 
 @dataclass
@@ -44,7 +50,7 @@ def bind_listener(host: str, port: int, *, flag: str = "--port") -> socket.socke
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise UsageError(_port_taken_message(host, port, flag=flag)) from None
+            raise PortTakenError(_port_taken_message(host, port, flag=flag)) from None
         if exc.errno == errno.EADDRNOTAVAIL:
             raise UsageError(f"{host} is not an address of this machine, so its store cannot listen there") from None
         raise
@@ -54,7 +60,12 @@ def bind_listener(host: str, port: int, *, flag: str = "--port") -> socket.socke
 def _port_taken_message(host: str, port: int, *, flag: str) -> str:
     holder = portinfo.port_holder(port)
     held_by = f", held by {holder}" if holder else ""
-    return f"{flag} {port}: the port is already in use on {host}{held_by}. Use another port, e.g. {flag} {port + 1}"
+    if flag == "--port":
+        given, other = f"{port}", f"{port + 1}"
+    else:
+        shown = f"[{host}]" if ":" in host else host
+        given, other = f"{shown}:{port}", f"{shown}:{port + 1}"
+    return f"{flag} {given}: the port is already in use on {host}{held_by}. Use another port, e.g. {flag} {other}"
 
 
 def serve_store(sock: socket.socket, *, host: str) -> Any:
@@ -134,3 +145,96 @@ def register_backend(*, bind_host: str) -> str:
     _HANDLERS.bind_host = bind_host
     rendezvous_handler_registry.register(BACKEND_NAME, _HANDLERS)
     return BACKEND_NAME
+
+
+def local_address(host: str) -> str | None:
+    """The address of `host` that this machine can listen on, or None if it is another machine's."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return None
+    for family, _, _, _, address in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address[0], 0))
+            except OSError:
+                continue
+            return address[0]
+    return None
+
+
+# --- joining: a visible wait, a count of the nodes that came, a clear timeout -------------------
+
+JOINED_KEY = "ddprun/joined/{rdzv_id}"
+_REPORT_EVERY_S = 5.0
+
+
+class JoinWatch:
+    """While the nodes gather, say so every few seconds; count who joined through the store.
+
+    Every ddprun node adds 1 to a counter in the rendezvous store once it reaches it, so a
+    timeout can say how many nodes are missing. `started()` ends the wait: the workers run.
+    """
+
+    def __init__(self, *, endpoint: str, rdzv_id: str, nnodes: str, timeout_s: float,
+                 say: Callable[[str], None], store: Any = None) -> None:
+        self.endpoint, self.nnodes, self.timeout_s, self._say = endpoint, nnodes, timeout_s, say
+        self._key = JOINED_KEY.format(rdzv_id=rdzv_id)
+        self._store = store
+        self._done = threading.Event()
+        self._began = time.monotonic()
+        self._thread = threading.Thread(target=self._watch, name="ddprun-join-watch", daemon=True)
+
+    def __enter__(self) -> "JoinWatch":
+        if self._store is not None:
+            self._store.add(self._key, 1)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+
+    def started(self) -> None:
+        self._done.set()
+
+    def joined(self) -> int | None:
+        try:
+            return int(self._store.add(self._key, 0)) if self._store is not None else None
+        except Exception:  # the store host went away: the count is unknown, not an error of its own
+            return None
+
+    def _watch(self) -> None:
+        if self._store is None:
+            self._connect()
+        while not self._done.wait(_REPORT_EVERY_S):
+            self._say(self.waiting_line())
+
+    def _connect(self) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        host, port = self.endpoint.rsplit(":", 1)
+        try:
+            store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                                  timeout=datetime.timedelta(seconds=max(1.0, self.timeout_s)))
+            store.add(self._key, 1)
+            self._store = store
+        except Exception:  # torch's own rendezvous reports the failure to connect
+            pass
+
+    def waiting_line(self) -> str:
+        waited = int(time.monotonic() - self._began)
+        count = self.joined()
+        progress = f", {count} of {self.nnodes} nodes here" if count is not None else ""
+        return f"waiting for the nodes at {self.endpoint}... {waited} s{progress}"
+
+    def timeout_message(self) -> str:
+        count = self.joined()
+        wanted = int(self.nnodes.split(":")[0])
+        if count is None:
+            return (f"no answer from the store at {self.endpoint} within {self.timeout_s:g} s: "
+                    f"node 0 never came up, or the port is closed between the nodes")
+        missing = max(wanted - count, 0)
+        return (f"only {count} of {wanted} nodes joined at {self.endpoint} within {self.timeout_s:g} s: "
+                f"{missing} node{'s' if missing != 1 else ''} missing")

