@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ddprun import rendezvous, report, signals
+from ddprun.deaths import DeathWatch, rank_of
 from ddprun.errors import DdprunError
 from ddprun.plan import BOOTSTRAP_MODULE, LaunchPlan
 from ddprun.worker.bootstrap import LAUNCHER_PID_ENV
@@ -49,8 +50,8 @@ def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] 
     os.environ.update(plan.env)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     say = _sayer(console)
-    with _quiet_torch_logs(say) as events, _held_rendezvous(plan, say=say) as rdzv, \
-            _join_watch(plan, rdzv, say=say) as watch:
+    with DeathWatch() as deaths, _quiet_torch_logs(say, deaths) as events, \
+            _held_rendezvous(plan, say=say) as rdzv, _join_watch(plan, rdzv, say=say) as watch:
         launcher, logs = _build_launcher(plan, rdzv, on_start=watch.started if watch else None)
         events.logs = logs
         announce()
@@ -184,39 +185,38 @@ def _raise_if_join_failed(error: Exception, *, watch: Any, logs: Any) -> None:
 class _ElasticEvents(logging.Handler):
     """Turns torch elastic's log records into ddprun's own lines, and silences the rest.
 
-    torch logs a failed attempt as ("failed (exitcode: %s) local_rank: %s ...") and a restart
-    as ("Worker group %s. %s/%s attempts left ..."); the record *arguments* are read, never
-    the formatted text. DDPRUN_DEBUG=1 lets torch's records through as they are.
+    A restart is torch's record "Worker group %s. %s/%s attempts left ..."; its *arguments*
+    are read, never the formatted text. Why it restarts comes from ddprun's own DeathWatch,
+    since torch's record names the wrong rank whenever failures share a second.
+    DDPRUN_DEBUG=1 lets torch's records through as they are.
     """
 
-    def __init__(self, say: Callable[[str], None]) -> None:
+    def __init__(self, say: Callable[[str], None], deaths: DeathWatch) -> None:
         super().__init__(level=logging.INFO)
-        self.say = say
-        self.last_failure: tuple[int, int] | None = None  # (exit code, local rank)
+        self.say, self.deaths = say, deaths
         self.restarts = 0
-        self.logs: Any = None  # RankLogsSpecs: maps a local rank to its global rank
+        self.logs: Any = None  # RankLogsSpecs, for the attempt's pid files
 
     def emit(self, record: logging.LogRecord) -> None:
-        msg, args = str(record.msg), record.args or ()
-        if msg.startswith("failed (exitcode:") and len(args) >= 2:
-            self.last_failure = (int(args[0]), int(args[1]))
-        elif "attempts left" in msg and len(args) >= 4:
+        args = record.args or ()
+        if "attempts left" in str(record.msg) and len(args) >= 4:
             self.restarts += 1
             self.say(f"restart {self.restarts}/{args[3]}: {self._reason()}")
 
     def _reason(self) -> str:
-        if self.last_failure is None:
-            return "a worker failed"
-        code, local_rank = self.last_failure
         attempt = self.logs.current if self.logs else None
-        rank = f"rank {attempt.global_ranks[local_rank]}" if attempt else f"local rank {local_rank}"
-        name = report.signal_name(code)
-        return f"{rank} was killed by {name}" if name else f"{rank} exited with code {code}"
+        death = self.deaths.first_failure_since(attempt.started_at) if attempt else None
+        if death is None:
+            return "a worker failed"
+        rank = rank_of(death.pid, attempt.directory)
+        who = f"rank {rank}" if rank is not None else f"worker pid {death.pid}"
+        name = report.signal_name(death.exitcode)
+        return f"{who} was killed by {name}" if name else f"{who} exited with code {death.exitcode}"
 
 
 @contextlib.contextmanager
-def _quiet_torch_logs(say: Callable[[str], None]) -> Iterator[_ElasticEvents]:
-    events = _ElasticEvents(say)
+def _quiet_torch_logs(say: Callable[[str], None], deaths: DeathWatch) -> Iterator[_ElasticEvents]:
+    events = _ElasticEvents(say, deaths)
     elastic = logging.getLogger(_ELASTIC_LOGGER)
     agent = logging.getLogger(_AGENT_LOGGER)
     saved = (elastic.propagate, agent.level)

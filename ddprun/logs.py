@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+from ddprun.worker.bootstrap import PID_FILE_ENV
 
 LINE_PREFIX_TEMPLATE = "[rank ${rank}] "
 
@@ -25,6 +28,7 @@ class Attempt:
 
     number: int
     directory: Path
+    started_at: float = field(default_factory=time.monotonic)
     global_ranks: dict[int, int] = field(default_factory=dict)  # local rank -> global rank
 
     def stderr_log(self, rank: int) -> Path:
@@ -35,6 +39,9 @@ class Attempt:
 
     def error_file(self, rank: int) -> Path:
         return self.directory / f"rank_{rank}.error.json"
+
+    def pid_file(self, rank: int) -> Path:
+        return self.directory / f"rank_{rank}.pid"
 
 
 class RankLogsSpecs(LogsSpecs):
@@ -68,6 +75,7 @@ class RankLogsSpecs(LogsSpecs):
             dest.stderrs[local_rank] = str(attempt.stderr_log(rank))
             dest.error_files[local_rank] = str(attempt.error_file(rank))
             env["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
+            env[PID_FILE_ENV] = str(attempt.pid_file(rank))
             if self._console_ranks is None or rank in self._console_ranks:
                 dest.tee_stdouts[local_rank] = dest.stdouts[local_rank]
                 dest.tee_stderrs[local_rank] = dest.stderrs[local_rank]

@@ -8,6 +8,8 @@ import signal
 import threading
 from typing import Callable, Iterator, Sequence
 
+from ddprun import proc
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -69,21 +71,6 @@ def _watch(read_fd: int, *, workers_started: Callable[[], bool], say: Callable[[
 
 def kill_children(sig: signal.Signals) -> None:
     """Signal this process's direct children: the workers, each in its own session."""
-    for pid in child_pids(os.getpid()):
+    for pid, _state in proc.children():
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
-
-
-def child_pids(parent: int) -> list[int]:
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent:
-            children.append(int(entry))
-    return children

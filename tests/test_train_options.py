@@ -196,7 +196,7 @@ def test_world_size_check_for_synthetic_data():
     opts = TrainOptions(dataset_size=100, batch_size=32)
     validate(opts, world_size=3)
     error = error_of(opts, world_size=4)
-    assert "128 samples" in error.message and "--dataset-size 128" in error.hint
+    assert "128 samples" in error.message and "--dataset-size 128" in error.hint and "world size 4" in error.message
 
 
 ROUND_TRIPS = [

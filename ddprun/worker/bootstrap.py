@@ -22,6 +22,8 @@ import traceback
 from types import TracebackType
 
 LAUNCHER_PID_ENV = "DDPRUN_LAUNCHER_PID"
+# Where this rank writes its pid, so the launcher can tell which rank a dead pid was.
+PID_FILE_ENV = "DDPRUN_PID_FILE"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 _PR_SET_PDEATHSIG = 1
 _USAGE = "usage: python -m ddprun.worker.bootstrap SCRIPT [ARGS...] | -m MODULE [ARGS...]"
@@ -116,12 +118,23 @@ def _enable_faulthandler() -> None:
         pass
 
 
+def _write_pid_file() -> None:
+    path = os.environ.get(PID_FILE_ENV)
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError:
+            pass  # only the launcher's restart message loses the rank's name
+
+
 def main() -> None:
     argv = sys.argv[1:]
     if not argv or argv == ["-m"]:
         print(_USAGE, file=sys.stderr)
         raise SystemExit(2)
     die_with_launcher()
+    _write_pid_file()
     _enable_faulthandler()
     error_file = os.environ.get(ERROR_FILE_ENV) or None
     before = _file_state(error_file) if error_file else None

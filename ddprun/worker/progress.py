@@ -51,7 +51,8 @@ class Reporter:
     """Rank 0's progress. `step` is cheap: the loss is read (a device sync) only when shown."""
 
     def __init__(self, *, total_steps: int, start_step: int, epochs: int, global_batch: int,
-                 log_interval: float, stream: TextIO = sys.stderr) -> None:
+                 log_interval: float, stream: Optional[TextIO] = None) -> None:
+        stream = sys.stderr if stream is None else stream
         self._total, self._start, self._epochs = total_steps, start_step, epochs
         self._global_batch = global_batch
         self._interval = log_interval
@@ -148,10 +149,10 @@ def summary_table(s: RunSummary) -> Table:
     table.add_column(style="bold")
     table.add_column(justify="right")
     memory = "GPU memory (peak, max over ranks)" if s.peak_memory_kind == "cuda" else "resident memory (peak, max)"
+    accumulated = s.global_batch_size != s.world_size * s.batch_size_per_process
+    batch = f"{s.global_batch_size} ({s.world_size} x {s.batch_size_per_process}{' x accumulation' * accumulated})"
     rows = [
-        ("epochs", str(s.epochs)), ("steps", str(s.steps)),
-        ("global batch", f"{s.global_batch_size} ({s.world_size} x {s.batch_size_per_process}"
-                         f"{' x accumulation' if s.global_batch_size != s.world_size * s.batch_size_per_process else ''})"),
+        ("epochs", str(s.epochs)), ("steps", str(s.steps)), ("global batch", batch),
         ("samples/s (global)", _fmt(s.samples_per_sec, ",.1f")),
         ("samples/s (per process)", _fmt(s.samples_per_sec_per_process, ",.1f")),
         ("wall time", f"{s.wall_time_s:.1f} s"), ("final loss", _fmt(s.final_loss, ".4f")),

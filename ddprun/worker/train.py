@@ -12,6 +12,7 @@ import dataclasses
 import os
 import random
 import resource
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from ddprun.worker.progress import NullReporter, Reporter, RunSummary, write_met
 from ddprun.worker.train_options import TrainOptions, from_argv, validate
 
 # Checkpoint args that must match for the saved weights and optimizer state to fit.
-_SHAPE_ARGS = ("model", "image_size", "optimizer")
+_SHAPE_ARGS = ("model", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class Components:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     began = time.perf_counter()
+    # torch elastic stops workers with SIGTERM: unwind through `finally` so the process group is destroyed.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     opts = from_argv(sys.argv[1:] if argv is None else argv)
     env = DistEnv.from_environ(os.environ)
     try:
@@ -102,6 +105,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _bad_input(error: Exception, *, env: DistEnv) -> int:
@@ -337,8 +344,14 @@ def save_checkpoint(c: Components, pos: Position, *, opts: TrainOptions, env: Di
 
 
 def restore(c: Components, checkpoint: dict, *, opts: TrainOptions, env: DistEnv) -> Position:
-    c.raw.load_state_dict(checkpoint["model"])
-    c.optimizer.load_state_dict(checkpoint["optimizer"])
+    try:
+        c.raw.load_state_dict(checkpoint["model"])
+        c.optimizer.load_state_dict(checkpoint["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"checkpoint {opts.checkpoint_path} does not fit this run's model: {first}",
+                         hint="resume with the options the checkpoint was written with "
+                              "(--model, --num-classes, --image-size)") from None
     if c.scaler is not None and checkpoint.get("scaler"):
         c.scaler.load_state_dict(checkpoint["scaler"])
     if checkpoint["world_size"] == env.world_size:
@@ -363,7 +376,7 @@ def plan_steps(opts: TrainOptions, *, data: TrainData, world_size: int) -> tuple
     per_epoch = data.train.batches_per_epoch // opts.grad_accum
     if per_epoch == 0:
         raise UsageError(
-            f"the training set gives no full step: {world_size} processes x --batch-size {opts.batch_size}"
+            f"the training set gives no full step: world size {world_size} x --batch-size {opts.batch_size}"
             f" x --grad-accum {opts.grad_accum} is more than one epoch holds",
             hint="use a smaller --batch-size or --grad-accum, or more data",
         )
@@ -407,7 +420,8 @@ def _start_position(c: Components, checkpoint: Optional[dict], *, opts: TrainOpt
         seed_everything(opts.seed + env.rank)  # ranks draw different random numbers from here on
         return Position()
     pos = restore(c, checkpoint, opts=opts, env=env)
-    reporter.note(f"resuming from {opts.checkpoint_path}: epoch {pos.epoch + 1}, step {pos.step}"
+    where = f"after epoch {pos.epoch}" if pos.batch_in_epoch == 0 else f"within epoch {pos.epoch + 1}"
+    reporter.note(f"resuming from {opts.checkpoint_path} {where}, step {pos.step}"
                   + (f" (restart {env.restart_count})" if env.restart_count else ""))
     return pos
 
@@ -436,7 +450,7 @@ def train_loop(c: Components, pos: Position, *, opts: TrainOptions, env: DistEnv
                reporter) -> LoopOutcome:
     outcome = LoopOutcome(clock=StepClock(warmup=min(5, (total_steps - pos.step) // 5), device=c.device))
     if pos.epoch >= opts.epochs or pos.step >= total_steps:
-        reporter.note(f"nothing to train: the run is already at epoch {pos.epoch}, step {pos.step} "
+        reporter.note(f"nothing to train: the checkpoint is at epoch {pos.epoch}, step {pos.step} "
                       f"(raise --epochs or --max-steps to continue)")
     while pos.epoch < opts.epochs and pos.step < total_steps:
         epoch = pos.epoch
@@ -465,8 +479,9 @@ def _summarize(c: Components, pos: Position, outcome: LoopOutcome, *, opts: Trai
         steps=pos.step, epochs=pos.epoch, samples_per_sec=speed,
         samples_per_sec_per_process=None if speed is None else speed / env.world_size,
         wall_time_s=time.perf_counter() - began, final_loss=outcome.final_loss,
-        val_accuracy=outcome.val_accuracy, val_samples=outcome.val_samples, peak_memory_bytes=memory, peak_memory_kind=kind,
-        model=opts.model, device=c.device.type, resumed_from_step=checkpoint["step"] if checkpoint else None,
+        val_accuracy=outcome.val_accuracy, val_samples=outcome.val_samples, peak_memory_bytes=memory,
+        peak_memory_kind=kind, model=opts.model, device=c.device.type,
+        resumed_from_step=checkpoint["step"] if checkpoint else None,
     )
 
 

@@ -232,8 +232,8 @@ def _check_world(opts: TrainOptions, world_size: int) -> None:
     if opts.dataset_size < per_step:
         raise UsageError(
             f"--dataset-size {opts.dataset_size} is smaller than one step of {per_step} samples "
-            f"({world_size} processes x --batch-size {opts.batch_size} x --grad-accum {opts.grad_accum})",
-            hint=f"use --dataset-size {per_step} or more, or a smaller --batch-size",
+            f"(world size {world_size} x --batch-size {opts.batch_size} x --grad-accum {opts.grad_accum})",
+            hint=f"use --dataset-size {per_step} or more, or a smaller --batch-size or --grad-accum",
         )
 
 

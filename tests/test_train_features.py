@@ -1,0 +1,119 @@
+"""The trainer's options, run in this process as a one-process job (no launcher, a HashStore group)."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+
+from ddprun.worker import train
+from ddprun.worker.train import DistEnv
+from ddprun.worker.train_options import TrainOptions, to_argv
+
+TINY = dict(model="mlp", image_size=8, num_classes=4, dataset_size=64, batch_size=8, workers=0, seed=1,
+            log_interval=3600.0)
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch):
+    """No launcher variables, and pytest's SIGTERM handler back after each run."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)
+    assert not torch.distributed.is_initialized()  # destroyed on every exit path
+
+
+def run(**options) -> int:
+    return train.main(to_argv(TrainOptions(**{**TINY, **options})))
+
+
+def model_of(directory) -> dict:
+    return torch.load(directory / "last.pt", weights_only=True)["model"]
+
+
+def test_dist_env_from_environ():
+    assert DistEnv.from_environ({}) == DistEnv()
+    env = DistEnv.from_environ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                                "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert env == DistEnv(rank=3, local_rank=1, world_size=4, local_world_size=2, restart_count=2, launched=True)
+
+
+def test_grad_accumulation_matches_the_larger_batch(tmp_path):
+    assert run(batch_size=16, epochs=2, checkpoint_dir=str(tmp_path / "big")) == 0
+    assert run(batch_size=8, grad_accum=2, epochs=2, checkpoint_dir=str(tmp_path / "accum")) == 0
+    big, accum = model_of(tmp_path / "big"), model_of(tmp_path / "accum")
+    for name in big:
+        torch.testing.assert_close(big[name], accum[name], rtol=1e-5, atol=1e-6)
+    state = torch.load(tmp_path / "accum" / "last.pt", weights_only=True)
+    assert state["step"] == 8 and state["epoch"] == 2  # 64 samples / (8 x 2) per step = 4 steps an epoch
+
+
+def test_max_steps_stops_mid_epoch_and_resume_continues_it(tmp_path):
+    assert run(epochs=2, checkpoint_dir=str(tmp_path / "straight")) == 0
+    assert run(epochs=2, max_steps=5, checkpoint_dir=str(tmp_path / "split")) == 0
+    state = torch.load(tmp_path / "split" / "last.pt", weights_only=True)
+    assert (state["epoch"], state["batch_in_epoch"], state["step"]) == (0, 5, 5)
+    assert run(epochs=2, checkpoint_dir=str(tmp_path / "split"), resume=True) == 0
+    straight, split = model_of(tmp_path / "straight"), model_of(tmp_path / "split")
+    for name in straight:
+        assert torch.equal(straight[name], split[name]), name
+
+
+def test_resume_of_a_finished_run_has_nothing_to_do(tmp_path, capsys):
+    assert run(epochs=1, checkpoint_dir=str(tmp_path)) == 0
+    assert run(epochs=1, checkpoint_dir=str(tmp_path), resume=True) == 0
+    assert "nothing to train" in capsys.readouterr().err
+
+
+def test_resume_with_another_model_shape_exits_2(tmp_path, capsys):
+    assert run(epochs=1, checkpoint_dir=str(tmp_path)) == 0
+    assert run(epochs=1, image_size=16, checkpoint_dir=str(tmp_path), resume=True) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {tmp_path / 'last.pt'} does not fit" in err and "Traceback" not in err
+    assert run(model="cnn", checkpoint_dir=str(tmp_path), resume=True) == 2
+    assert "was written with --model mlp" in capsys.readouterr().err
+
+
+def test_fresh_run_over_an_old_checkpoint_says_so(tmp_path, capsys):
+    assert run(checkpoint_dir=str(tmp_path)) == 0
+    capsys.readouterr()
+    assert run(checkpoint_dir=str(tmp_path)) == 0
+    assert "starting fresh" in capsys.readouterr().err
+
+
+def test_too_little_data_for_one_step_exits_2(tmp_path, capsys):
+    assert run(dataset_size=64, batch_size=8, grad_accum=16) == 2
+    assert "smaller than one step of 128 samples" in capsys.readouterr().err
+    for name in ("a", "b"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+        (tmp_path / "train" / name / "0.png").write_bytes(b"")
+    assert run(data=str(tmp_path), num_classes=None, batch_size=8) == 2
+    assert "the training set gives no full step" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options", [
+    dict(model="cnn", data="fake", amp="bf16", channels_last=True),
+    dict(model="cnn", amp="fp16"),
+    dict(model="cnn", optimizer="adamw", grad_compression="fp16", static_graph=True, bucket_cap_mb=1.0),
+    dict(model="cnn", grad_compression="bf16", sync_bn=True),
+])
+def test_speed_options_train(tmp_path, capsys, options):
+    metrics = tmp_path / "m.json"
+    assert run(max_steps=3, metrics_json=str(metrics), checkpoint_dir=str(tmp_path), **options) == 0
+    result = json.loads(metrics.read_text())
+    assert result["steps"] == 3 and result["final_loss"] is not None
+    assert torch.isfinite(torch.tensor(result["final_loss"]))
+    if options.get("sync_bn"):
+        assert "--sync-bn has no effect on CPU" in capsys.readouterr().err
+    state = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert (state["scaler"] is not None) == (options.get("amp") == "fp16")
+
+
+def test_resnet_with_batch_norm_trains_a_step(tmp_path):
+    metrics = tmp_path / "m.json"
+    assert run(model="resnet18", image_size=16, max_steps=2, metrics_json=str(metrics)) == 0
+    assert json.loads(metrics.read_text())["steps"] == 2
