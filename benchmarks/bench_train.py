@@ -133,22 +133,23 @@ def bench_fakedata(*, batch_size: int, image_size: int, batches: int, workers: i
 
 # ---------------------------------------------------------------- (b) CPU scaling, in subprocesses
 
-def ours(nproc: int, *, batch_size: int, steps: int, workdir: Path) -> float:
+def ours(nproc: int, *, batch_size: int, steps: int, workdir: Path) -> dict:
     metrics = workdir / f"ours-{nproc}-{time.monotonic_ns()}.json"
     size = nproc * batch_size * (steps + 5)  # the trainer's clock skips the first 5 steps
     command = TORCHRUN + ["--nproc-per-node", str(nproc), "-m", "ddprun.worker.train", *SCALING_ARGS,
                           "--batch-size", str(batch_size), "--dataset-size", str(size), "--epochs", "1",
                           "--log-interval", "3600", "--metrics-json", str(metrics)]
     _run(command)
-    return json.loads(metrics.read_text())["samples_per_sec"]
+    metrics = json.loads(metrics.read_text())
+    return {"samples_per_sec": metrics["samples_per_sec"], "cpu_seconds_per_step": metrics["cpu_seconds_per_step"]}
 
 
-def plain(nproc: int, *, batch_size: int, steps: int, workdir: Path) -> float:
+def plain(nproc: int, *, batch_size: int, steps: int, workdir: Path) -> dict:
     out = workdir / f"plain-{nproc}-{time.monotonic_ns()}.json"
     command = TORCHRUN + ["--nproc-per-node", str(nproc), __file__, "--plain-worker", "--batch-size",
                           str(batch_size), "--steps", str(steps), "--out", str(out)]
     _run(command)
-    return json.loads(out.read_text())["samples_per_sec"]
+    return json.loads(out.read_text())
 
 
 def _run(command: list[str]) -> None:
@@ -164,11 +165,19 @@ def bench_scaling(*, batch_size: int, steps: int, repeats: int) -> dict:
             for (kind, nproc), speeds in runs.items():
                 launch = ours if kind == "ours" else plain
                 speeds.append(launch(nproc, batch_size=batch_size, steps=steps, workdir=Path(workdir)))
-    result = {f"{kind}_{n}proc_samples_per_sec": statistics.median(v) for (kind, n), v in runs.items()}
+    result = {}
+    for (kind, n), measured in runs.items():
+        result[f"{kind}_{n}proc_samples_per_sec"] = statistics.median(m["samples_per_sec"] for m in measured)
+        result[f"{kind}_{n}proc_cpu_ms_per_step"] = 1e3 * statistics.median(m["cpu_seconds_per_step"] for m in measured)
     for kind in ("ours", "plain"):
-        ratios = [two / one for one, two in zip(runs[(kind, 1)], runs[(kind, 2)])]
+        pairs = list(zip(runs[(kind, 1)], runs[(kind, 2)]))
+        ratios = [two["samples_per_sec"] / one["samples_per_sec"] for one, two in pairs]
         result[f"{kind}_ratio"] = statistics.median(ratios)
         result[f"{kind}_ratios"] = ratios
+        # What the ratio would be if each process had its core to itself and never waited: CPU cost of
+        # a step at 1 process against 2. Other load on the machine disturbs it far less than wall time.
+        cpu = [2 * one["cpu_seconds_per_step"] / two["cpu_seconds_per_step"] for one, two in pairs]
+        result[f"{kind}_cpu_bound_ratio"] = statistics.median(cpu)
     return result
 
 
@@ -189,15 +198,15 @@ def plain_worker(args: argparse.Namespace) -> None:
     warmup = 5
     for step in range(warmup + args.steps):
         if step == warmup:
-            began = time.perf_counter()
+            began, cpu_began = time.perf_counter(), time.process_time()
         loss = F.cross_entropy(model(images), labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    seconds = time.perf_counter() - began
+    seconds, cpu = time.perf_counter() - began, time.process_time() - cpu_began
     if dist.get_rank() == 0:
         speed = dist.get_world_size() * args.batch_size * args.steps / seconds
-        args.out.write_text(json.dumps({"samples_per_sec": speed}))
+        args.out.write_text(json.dumps({"samples_per_sec": speed, "cpu_seconds_per_step": cpu / args.steps}))
     dist.destroy_process_group()
 
 
@@ -266,6 +275,11 @@ def report(results: dict, *, batch_size: int) -> None:
                       f"{b['ours_2proc_samples_per_sec']:,.0f}/s", f"{b['plain_2proc_samples_per_sec']:,.0f}/s", "")
         table.add_row("(b) scaling 2 vs 1 process", f"{b['ours_ratio']:.2f}x", f"{b['plain_ratio']:.2f}x (plain DDP)",
                       "target >= 1.7x")
+        table.add_row("(b) CPU ms per step, 1 -> 2 processes",
+                      f"{b['ours_1proc_cpu_ms_per_step']:.0f} -> {b['ours_2proc_cpu_ms_per_step']:.0f}",
+                      f"{b['plain_1proc_cpu_ms_per_step']:.0f} -> {b['plain_2proc_cpu_ms_per_step']:.0f}", "")
+        table.add_row("(b) scaling if CPU-bound (2 x cpu1 / cpu2)", f"{b['ours_cpu_bound_ratio']:.2f}x",
+                      f"{b['plain_cpu_bound_ratio']:.2f}x", "noise-robust cross-check")
     if "gpu" in results:
         c = results["gpu"]
         table.add_row(f"(c) resnet50 bf16 channels_last, 1 GPU, batch {c['batch']}",

@@ -128,3 +128,12 @@ def test_restart_after_a_killed_worker_completes_the_job_and_says_why(cpu_env, t
     assert "restart 1/1: rank 1 was killed by SIGKILL" in result.stderr
     assert (tmp_path / "logs" / "attempt_1" / "rank_1.stdout.log").exists()
     assert (tmp_path / "out" / "pid1.1").exists()
+
+
+def test_forwarded_preemption_signal_reaches_the_workers(cpu_env, tmp_path):
+    job = start(dict(cpu_env, MODE="preempt"), "--forward-signal", "SIGUSR1")
+    worker_pids(tmp_path / "out")
+    job.send_signal(signal.SIGUSR1)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    assert sorted(p.name for p in (tmp_path / "out").glob("preempted*")) == ["preempted0", "preempted1"]

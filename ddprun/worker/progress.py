@@ -25,6 +25,7 @@ class RunSummary:
     epochs: int  # epochs completed
     samples_per_sec: Optional[float]  # global, steady state (first steps of the run excluded)
     samples_per_sec_per_process: Optional[float]
+    cpu_seconds_per_step: Optional[float]  # rank 0's process CPU time per measured step (all threads)
     wall_time_s: float
     final_loss: Optional[float]  # mean training loss of the last epoch run, over all ranks
     val_accuracy: Optional[float]  # None without a validation set

@@ -255,13 +255,13 @@ class StepClock:
     def __init__(self, *, warmup: int, device: torch.device) -> None:
         self.warmup, self.device = warmup, device
         self.seen = self.measured_steps = 0
-        self.seconds = 0.0
-        self._mark: Optional[float] = None
+        self.seconds = self.cpu_seconds = 0.0  # wall time; CPU time of this process, all its threads
+        self._mark: Optional[tuple[float, float]] = None
 
-    def _now(self) -> float:
+    def _now(self) -> tuple[float, float]:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return time.perf_counter(), time.process_time()
 
     def begin(self) -> None:
         if self.seen >= self.warmup:
@@ -276,7 +276,9 @@ class StepClock:
 
     def end(self) -> None:
         if self._mark is not None:
-            self.seconds += self._now() - self._mark
+            (wall, cpu), (wall0, cpu0) = self._now(), self._mark
+            self.seconds += wall - wall0
+            self.cpu_seconds += cpu - cpu0
             self._mark = None
 
 
@@ -477,6 +479,7 @@ def _summarize(c: Components, pos: Position, outcome: LoopOutcome, *, opts: Trai
     return RunSummary(
         world_size=env.world_size, global_batch_size=global_batch, batch_size_per_process=opts.batch_size,
         steps=pos.step, epochs=pos.epoch, samples_per_sec=speed,
+        cpu_seconds_per_step=clock.cpu_seconds / clock.measured_steps if clock.measured_steps else None,
         samples_per_sec_per_process=None if speed is None else speed / env.world_size,
         wall_time_s=time.perf_counter() - began, final_loss=outcome.final_loss,
         val_accuracy=outcome.val_accuracy, val_samples=outcome.val_samples, peak_memory_bytes=memory,

@@ -24,7 +24,14 @@ def load_batch(step):
         raise ValueError(f"corrupt sample in batch {step}")
 
 
-if mode == "sleep":
+if mode == "preempt":  # a scheduler's notice: save and leave
+    got = []
+    signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    open(f"{out}/preempted{rank}", "w").close()
+elif mode == "sleep":
     time.sleep(300)
 elif mode == "stubborn":  # ignores the polite signals: only SIGKILL ends it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
