@@ -35,21 +35,21 @@ PASSTHROUGH = {"allow_interspersed_args": False, "ignore_unknown_options": True}
 
 # --- options shared by every command that launches a job ------------------------------------
 
-Gpus = Annotated[Optional[str], typer.Option("--gpus", envvar="DDPRUN_GPUS", help="GPUs to use: a count N (the first N visible), 'all', or ordinals among the visible GPUs like 0,2. Default: all visible GPUs. The flag wins over DDPRUN_GPUS.", show_default=False)]
+Gpus = Annotated[Optional[str], typer.Option("--gpus", metavar="N|all|0,2", envvar="DDPRUN_GPUS", help="GPUs to use: a count N (the first N visible), 'all', or ordinals among the visible GPUs like 0,2. Default: all visible GPUs. The flag wins over DDPRUN_GPUS.", show_default=False)]
 Cpu = Annotated[bool, typer.Option("--cpu", help="Run CPU processes on gloo, even where GPUs exist.")]
-Nproc = Annotated[Optional[str], typer.Option("--nproc", envvar="DDPRUN_NPROC", help="Processes per node. Default: the number of selected GPUs, or 2 on CPU.", show_default=False)]
-Port = Annotated[Optional[str], typer.Option("--port", envvar="DDPRUN_PORT", help="Rendezvous port of a single-node job. Default: a free port that ddprun binds and holds.", show_default=False)]
-Nnodes = Annotated[Optional[str], typer.Option("--nnodes", help="Number of nodes N, or MIN:MAX for an elastic job. Detected under SLURM and Kubeflow; the flag wins.", show_default=False)]
-NodeRank = Annotated[Optional[str], typer.Option("--node-rank", help="This node's rank, 0 <= R < N, with --master.", show_default=False)]
-Master = Annotated[Optional[str], typer.Option("--master", help="HOST:PORT of node 0, for a fixed set of nodes (every node runs the same command).", show_default=False)]
-RdzvEndpoint = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d store, for an elastic job.", show_default=False)]
-RdzvId = Annotated[Optional[str], typer.Option("--rdzv-id", help="Rendezvous id shared by all nodes of a job. Default: unique per job.", show_default=False)]
-MaxRestarts = Annotated[str, typer.Option("--max-restarts", envvar="DDPRUN_MAX_RESTARTS", help="Restart the workers up to N times when one fails.")]
-LogDir = Annotated[Optional[str], typer.Option("--log-dir", envvar="DDPRUN_LOG_DIR", help="Keep every rank's stdout and stderr here. Default: a folder per job under the temp dir.", show_default=False)]
-Ranks = Annotated[Optional[str], typer.Option("--ranks", help="Global ranks whose output reaches the console, e.g. 0,3 (the log files keep all).", show_default=False)]
-GracePeriod = Annotated[str, typer.Option("--grace-period", envvar="DDPRUN_GRACE_PERIOD", help="Seconds the workers get to exit after Ctrl-C or SIGTERM before they are killed.")]
-JoinTimeout = Annotated[Optional[str], typer.Option("--join-timeout", help="Seconds to wait for all nodes to join before failing. Default: torch's 600.", show_default=False)]
-ForwardSignal = Annotated[Optional[List[str]], typer.Option("--forward-signal", help="Forward SIGUSR1, SIGUSR2 or SIGHUP to the workers (scheduler preemption notices). Repeatable.", show_default=False)]
+Nproc = Annotated[Optional[str], typer.Option("--nproc", metavar="N", envvar="DDPRUN_NPROC", help="Processes per node. Default: the number of selected GPUs, or 2 on CPU.", show_default=False)]
+Port = Annotated[Optional[str], typer.Option("--port", metavar="PORT", envvar="DDPRUN_PORT", help="Rendezvous port of a single-node job. Default: a free port that ddprun binds and holds.", show_default=False)]
+Nnodes = Annotated[Optional[str], typer.Option("--nnodes", metavar="N|MIN:MAX", help="Number of nodes N, or MIN:MAX for an elastic job. Detected under SLURM and Kubeflow; the flag wins.", show_default=False)]
+NodeRank = Annotated[Optional[str], typer.Option("--node-rank", metavar="R", help="This node's rank, 0 <= R < N, with --master.", show_default=False)]
+Master = Annotated[Optional[str], typer.Option("--master", metavar="HOST:PORT", help="HOST:PORT of node 0, for a fixed set of nodes (every node runs the same command).", show_default=False)]
+RdzvEndpoint = Annotated[Optional[str], typer.Option("--rdzv-endpoint", metavar="HOST:PORT", help="HOST:PORT of the c10d store, for an elastic job.", show_default=False)]
+RdzvId = Annotated[Optional[str], typer.Option("--rdzv-id", metavar="ID", help="Rendezvous id shared by all nodes of a job. Default: unique per job.", show_default=False)]
+MaxRestarts = Annotated[str, typer.Option("--max-restarts", metavar="N", envvar="DDPRUN_MAX_RESTARTS", help="Restart the workers up to N times when one fails.")]
+LogDir = Annotated[Optional[str], typer.Option("--log-dir", metavar="DIR", envvar="DDPRUN_LOG_DIR", help="Keep every rank's stdout and stderr here. Default: a folder per job under the temp dir.", show_default=False)]
+Ranks = Annotated[Optional[str], typer.Option("--ranks", metavar="RANKS", help="Global ranks whose output reaches the console, e.g. 0,3 (the log files keep all).", show_default=False)]
+GracePeriod = Annotated[str, typer.Option("--grace-period", metavar="SECONDS", envvar="DDPRUN_GRACE_PERIOD", help="Seconds the workers get to exit after Ctrl-C or SIGTERM before they are killed.")]
+JoinTimeout = Annotated[Optional[str], typer.Option("--join-timeout", metavar="SECONDS", help="Seconds to wait for all nodes to join before failing. Default: torch's 600.", show_default=False)]
+ForwardSignal = Annotated[Optional[List[str]], typer.Option("--forward-signal", metavar="SIGNAL", help="Forward SIGUSR1, SIGUSR2 or SIGHUP to the workers (scheduler preemption notices). Repeatable.", show_default=False)]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Start nothing: print the equivalent torchrun command on stdout.")]
 AsJson = Annotated[bool, typer.Option("--json", help="With --dry-run: print the plan as JSON.")]
 
@@ -116,8 +116,8 @@ def _root() -> None:
 
 @app.command(context_settings=PASSTHROUGH)
 def run(
-    script: Annotated[str, typer.Argument(help="The script to run (or, with -m, the module). Everything after it is passed to it unchanged.", show_default=False)],
-    script_args: Annotated[Optional[List[str]], typer.Argument(help="Arguments for the script.", show_default=False)] = None,
+    script: Annotated[str, typer.Argument(metavar="SCRIPT", help="The script to run (or, with -m, the module). Everything after it is passed to it unchanged.", show_default=False)],
+    script_args: Annotated[Optional[List[str]], typer.Argument(metavar="[ARGS]...", help="Arguments for the script.", show_default=False)] = None,
     module: Annotated[bool, typer.Option("-m", "--module", help="Run SCRIPT as a module, like python -m.")] = False,
     gpus: Gpus = None, cpu: Cpu = False, nproc: Nproc = None, port: Port = None,
     nnodes: Nnodes = None, node_rank: NodeRank = None, master: Master = None,
@@ -132,11 +132,41 @@ def run(
     raise typer.Exit(_launch_or_print(_plan(options), dry_run=dry_run, as_json=as_json))
 
 
+def _trainer_help() -> str:
+    from ddprun.worker import train_options
+
+    return "\b\nTraining options (passed to every rank):\n" + train_options.options_help()
+
+
+@app.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    epilog=_trainer_help(),
+)
+def train(
+    ctx: typer.Context,
+    gpus: Gpus = None, cpu: Cpu = False, nproc: Nproc = None, port: Port = None,
+    nnodes: Nnodes = None, node_rank: NodeRank = None, master: Master = None,
+    rdzv_endpoint: RdzvEndpoint = None, rdzv_id: RdzvId = None,
+    max_restarts: MaxRestarts = "0", log_dir: LogDir = None, ranks: Ranks = None,
+    grace_period: GracePeriod = "10", join_timeout: JoinTimeout = None, forward_signal: ForwardSignal = None,
+    dry_run: DryRun = False, as_json: AsJson = False,
+) -> None:
+    """Train an image classifier with the bundled DDP trainer (resnet18 on synthetic data by default)."""
+    from ddprun.worker import train_options
+
+    trainer = train_options.parse_cli(ctx.args)
+    flags = dict(locals())
+    entrypoint = Entrypoint(train_options.WORKER_MODULE, tuple(train_options.to_argv(trainer)), is_module=True)
+    plan = _plan(_launch_options(entrypoint, flags))
+    train_options.validate(trainer, world_size=plan.world_size)
+    raise typer.Exit(_launch_or_print(plan, dry_run=dry_run, as_json=as_json))
+
+
 @app.command()
 def doctor(
     no_smoke: Annotated[bool, typer.Option("--no-smoke", help="Skip the live all-reduce test.")] = False,
-    max_bytes: Annotated[Optional[str], typer.Option("--max-bytes", help="Largest all-reduce of the bandwidth sweep, e.g. 64M or 1G. Default: 64M on CPU, 1G on GPU.", show_default=False)] = None,
-    timeout: Annotated[str, typer.Option("--timeout", help="Seconds after which a hung smoke test is stopped and reported.")] = "60",
+    max_bytes: Annotated[Optional[str], typer.Option("--max-bytes", metavar="SIZE", help="Largest all-reduce of the bandwidth sweep, e.g. 64M or 1G. Default: 64M on CPU, 1G on GPU.", show_default=False)] = None,
+    timeout: Annotated[str, typer.Option("--timeout", metavar="SECONDS", help="Seconds after which a hung smoke test is stopped and reported.")] = "60",
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the checks and the bandwidth table as JSON on stdout.")] = False,
 ) -> None:
@@ -157,15 +187,15 @@ def doctor(
 
 @app.command(context_settings=PASSTHROUGH)
 def sbatch(
-    command: Annotated[List[str], typer.Argument(help="The ddprun command every node runs, e.g. train --epochs 10 (after --).", show_default=False)],
-    nodes: Annotated[str, typer.Option("--nodes", "-N", help="Number of nodes.")] = "1",
-    gpus_per_node: Annotated[str, typer.Option("--gpus-per-node", help="GPUs per node (0 for CPU nodes).")] = "8",
-    time: Annotated[Optional[str], typer.Option("--time", "-t", help="Time limit, e.g. 04:00:00 or 1-00:00:00.", show_default=False)] = None,
-    partition: Annotated[Optional[str], typer.Option("--partition", "-p", help="SLURM partition.", show_default=False)] = None,
-    account: Annotated[Optional[str], typer.Option("--account", "-A", help="SLURM account.", show_default=False)] = None,
-    job_name: Annotated[str, typer.Option("--job-name", "-J", help="Job name.")] = "ddprun",
-    cpus_per_task: Annotated[Optional[str], typer.Option("--cpus-per-task", "-c", help="CPU cores per node for ddprun and its workers.", show_default=False)] = None,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Log file pattern. Default: %x-%j.out", show_default=False)] = None,
+    command: Annotated[List[str], typer.Argument(metavar="COMMAND...", help="The ddprun command every node runs, e.g. train --epochs 10 (after --).", show_default=False)],
+    nodes: Annotated[str, typer.Option("--nodes", "-N", metavar="N", help="Number of nodes.")] = "1",
+    gpus_per_node: Annotated[str, typer.Option("--gpus-per-node", metavar="G", help="GPUs per node (0 for CPU nodes).")] = "8",
+    time: Annotated[Optional[str], typer.Option("--time", "-t", metavar="TIME", help="Time limit, e.g. 04:00:00 or 1-00:00:00.", show_default=False)] = None,
+    partition: Annotated[Optional[str], typer.Option("--partition", "-p", metavar="NAME", help="SLURM partition.", show_default=False)] = None,
+    account: Annotated[Optional[str], typer.Option("--account", "-A", metavar="NAME", help="SLURM account.", show_default=False)] = None,
+    job_name: Annotated[str, typer.Option("--job-name", "-J", metavar="NAME", help="Job name.")] = "ddprun",
+    cpus_per_task: Annotated[Optional[str], typer.Option("--cpus-per-task", "-c", metavar="N", help="CPU cores per node for ddprun and its workers.", show_default=False)] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="PATTERN", help="Log file pattern. Default: %x-%j.out", show_default=False)] = None,
 ) -> None:
     """Print an sbatch script that runs a ddprun command on N nodes (one ddprun per node, via srun)."""
     from ddprun.sbatch import render_sbatch

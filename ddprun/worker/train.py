@@ -188,7 +188,7 @@ def build_components(opts: TrainOptions, *, data: TrainData, device: torch.devic
     elif opts.sync_bn:
         reporter.note("note: --sync-bn has no effect on CPU (SyncBatchNorm needs CUDA); using plain batch norm")
     raw = raw.to(device, memory_format=torch.channels_last if opts.channels_last else torch.preserve_format)
-    ddp = wrap_ddp(raw, opts=opts, device=device)
+    ddp = wrap_ddp(raw, opts=opts, device=device, world_size=dist.get_world_size())
     forward = torch.compile(ddp) if opts.compile else ddp
     optimizer = build_optimizer(opts, raw.parameters())
     use_scaler = opts.amp == "fp16"
@@ -198,12 +198,13 @@ def build_components(opts: TrainOptions, *, data: TrainData, device: torch.devic
                       amp_dtype=amp_dtype, device=device, data=data, grads_in_buckets=grads_in_buckets(device))
 
 
-def wrap_ddp(raw: nn.Module, *, opts: TrainOptions, device: torch.device) -> DDP:
+def wrap_ddp(raw: nn.Module, *, opts: TrainOptions, device: torch.device, world_size: int) -> DDP:
     ddp = DDP(
         raw, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=opts.bucket_cap_mb,
         gradient_as_bucket_view=grads_in_buckets(device), static_graph=opts.static_graph,
     )
-    if opts.grad_compression != "none":
+    # One process sends nothing, so compressing would only add two casts per step.
+    if opts.grad_compression != "none" and world_size > 1:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}

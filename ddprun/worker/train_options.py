@@ -281,3 +281,37 @@ def _has_image(folder: str) -> bool:
         if any(name.lower().endswith(IMAGE_EXTENSIONS) for name in filenames):
             return True
     return False
+
+
+# --- the `ddprun train` command line --------------------------------------------------------
+
+WORKER_MODULE = "ddprun.worker.train"
+_CHOICES = {"model": "mlp, cnn or a torchvision model", "data": "synthetic, fake or PATH",
+            "optimizer": "|".join(OPTIMIZERS), "amp": "|".join(AMP_CHOICES),
+            "grad_compression": "|".join(COMPRESSION_CHOICES)}
+
+
+def parse_cli(args: Sequence[str]) -> TrainOptions:
+    """The trainer options a user typed after `ddprun train`; a mistake is a UsageError (exit 2)."""
+    parser = build_parser()
+    parser.exit_on_error = False
+    parser.allow_abbrev = False  # --epoch must not silently mean --epochs
+    try:
+        namespace, unknown = parser.parse_known_args(list(args))
+    except (argparse.ArgumentError, ValueError) as error:
+        raise UsageError(f"ddprun train: {error}") from None
+    if unknown:
+        raise UsageError(f"ddprun train: unknown option {unknown[0]}; see ddprun train --help")
+    return TrainOptions(**vars(namespace))
+
+
+def options_help() -> str:
+    """One line per trainer option, with its default, for `ddprun train --help`."""
+    lines = []
+    for name, field in _FIELDS.items():
+        kind = _field_type(name)
+        flag = _flag(name) if kind is not bool else f"{_flag(name)} / --no-{name.replace('_', '-')}"
+        what = _CHOICES.get(name, kind.__name__.upper() if kind is not bool else "")
+        default = "auto" if field.default is None else field.default
+        lines.append(f"  {flag} {what}".rstrip().ljust(44) + f" default: {default}")
+    return "\n".join(lines)
