@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 from rich.console import Console
 from rich.markup import escape
 
-from ddprun import rendezvous, report, signals
+from ddprun import live, rendezvous, report, signals
 from ddprun.deaths import DeathWatch, rank_of
 from ddprun.errors import DdprunError
 from ddprun.plan import BOOTSTRAP_MODULE, LaunchPlan
@@ -55,12 +55,13 @@ def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] 
         launcher, logs = _build_launcher(plan, rdzv, on_start=watch.started if watch else None)
         events.logs = logs
         announce()
+        show_progress = live.progress_bar(console, path=os.path.join(plan.log_dir, "progress.jsonl"))
 
         def graceful_stop(sig: signal.Signals) -> None:
             raise SignalException(f"ddprun got {sig.name}", sigval=sig)
 
         with signals.handling(forward=plan.forward_signals, graceful_stop=graceful_stop,
-                              workers_started=lambda: logs.current is not None, say=say):
+                              workers_started=lambda: logs.current is not None, say=say), show_progress:
             try:
                 launcher()
                 return 0

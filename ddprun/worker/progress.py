@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from typing import Callable, Optional, TextIO
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+
+from ddprun.worker.bootstrap import PROGRESS_FILE_ENV
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class Reporter:
         self._last_shown = self._began
         self._epoch: Optional[int] = None
         self._bar = self._make_bar() if self._console.is_terminal else None
+        # Under ddprun in a terminal, the launcher draws the bar from these records.
+        self._feed_path = os.environ.get(PROGRESS_FILE_ENV)
+        self._last_fed = self._began
 
     def _make_bar(self):
         bar = Progress(
@@ -85,6 +91,9 @@ class Reporter:
 
     def step(self, step: int, loss: Callable[[], float]) -> None:
         now = time.perf_counter()
+        if self._feed_path and now - self._last_fed >= 0.5:
+            self._last_fed = now
+            self._feed(step, loss(), now)
         if self._bar is not None:
             self._bar.update(self._task, completed=step)
             if now - self._last_shown >= 0.5:
@@ -93,6 +102,15 @@ class Reporter:
         elif now - self._last_shown >= self._interval:
             self._last_shown = now
             self._line(step, loss(), now)
+
+    def _feed(self, step: int, loss: float, now: float) -> None:
+        record = {"epoch": f"{(self._epoch or 0) + 1}/{self._epochs}", "step": step, "total": self._total,
+                  "loss": loss, "speed": self._speed(step, now)}
+        try:
+            with open(self._feed_path, "a") as feed:
+                feed.write(json.dumps(record) + "\n")
+        except OSError:
+            self._feed_path = None  # the bar is a nicety: never fail training for it
 
     def _speed(self, step: int, now: float) -> float:
         return (step - self._start) * self._global_batch / max(now - self._began, 1e-9)

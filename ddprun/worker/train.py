@@ -410,6 +410,7 @@ def run(opts: TrainOptions, *, env: DistEnv, device: torch.device, checkpoint: O
         reporter.summary(summary)
         if opts.metrics_json:
             write_metrics(summary, opts.metrics_json)
+    dist.barrier()  # tear down together: a rank that leaves early can abort in gloo's teardown
     return 0
 
 
