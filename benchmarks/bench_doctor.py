@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DIRECT = "import sys; from ddprun.doctor.main import run_doctor; sys.exit(run_doctor(smoke={smoke}))"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import ROOT, machine, wall_time  # noqa: E402
 # The same split inside one process, immune to load differences between processes.
 IN_PROCESS = """
 import io, json, time
@@ -38,18 +36,7 @@ print(json.dumps({"import_torch_s": imported - started, "doctor_s": time.perf_co
 
 
 def doctor_command(*, smoke: bool) -> list[str]:
-    probe = subprocess.run(
-        [sys.executable, "-m", "ddprun", "doctor", "--help"], cwd=ROOT, capture_output=True, text=True, check=False
-    )
-    if probe.returncode == 0:
-        return [sys.executable, "-m", "ddprun", "doctor"] + ([] if smoke else ["--no-smoke"])
-    return [sys.executable, "-c", DIRECT.format(smoke=smoke)]
-
-
-def wall_time(argv: list[str]) -> tuple[float, int]:
-    started = time.perf_counter()
-    done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-    return time.perf_counter() - started, done.returncode
+    return [sys.executable, "-m", "ddprun", "doctor"] + ([] if smoke else ["--no-smoke"])
 
 
 def in_process() -> dict:
@@ -79,7 +66,7 @@ def main() -> None:
     doctor_s = statistics.median(doctor_times)
     smoke_s = statistics.median(seconds for seconds, _ in smoke_runs)
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": machine(),
         "command_no_smoke": " ".join(no_smoke[1:]),
         "command_smoke": " ".join(with_smoke[1:]),
         "import_torch_s": round(torch_s, 3),

@@ -10,12 +10,11 @@ import os
 import sys
 import tempfile
 import uuid
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from typing_extensions import Annotated
 
 from ddprun import cluster, devices, preflight
 from ddprun.errors import DdprunError, UsageError
@@ -97,7 +96,12 @@ def _launch_or_print(plan: LaunchPlan, *, dry_run: bool, as_json: bool) -> int:
         return 0
     from ddprun import launch, panels
 
-    return launch.execute(plan, console=stderr, announce=lambda: stderr.print(panels.render_plan(plan)))
+    code = launch.execute(plan, console=stderr, announce=lambda: stderr.print(panels.render_plan(plan)))
+    # The job is over and reported. Tearing down an interpreter that imported torch takes
+    # over half a second and has nothing left to do: leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # --- commands -------------------------------------------------------------------------------
