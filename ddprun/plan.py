@@ -117,6 +117,7 @@ def build_plan(
     endpoint = _endpoint(spec, options.port)
     worker_env = _worker_env(chosen, env=env, cpu_count=cpu_count, multi_node=spec.is_multi_node())
     notices = chosen.notices + _env_notices(worker_env, env=env, cpu_count=cpu_count, nproc=chosen.nproc)
+    notices += _misplaced_flag_notices(options.entrypoint)
     return LaunchPlan(
         torchrun_args=_torchrun_args(options, spec=spec, nproc=chosen.nproc, rdzv_id=rdzv_id, endpoint=endpoint),
         env=worker_env,
@@ -233,6 +234,17 @@ def _env_notices(added: Mapping[str, str], *, env: Mapping[str, str], cpu_count:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "es" if noun.endswith("s") else "s")
+
+
+# ddprun's own flags that a user may type after the script by mistake.
+_OWN_FLAGS = ("--dry-run", "--json", "--cpu", "--gpus", "--nproc", "--port", "--max-restarts", "--log-dir")
+
+
+def _misplaced_flag_notices(entrypoint: Entrypoint) -> list[str]:
+    found = [a for a in entrypoint.args if a.split("=", 1)[0] in _OWN_FLAGS]
+    if not found:
+        return []
+    return [f"{found[0]} comes after the script, so the script gets it; ddprun's own options go before the script."]
 
 
 def _device_labels(chosen: _Devices) -> list[str]:

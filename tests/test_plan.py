@@ -167,3 +167,9 @@ def test_max_restarts_and_join_timeout_reach_torchrun():
     args = plan(max_restarts=2, join_timeout_s=30.0).torchrun_args
     assert args[args.index("--max-restarts") + 1] == "2"
     assert args[args.index("--rdzv-conf") + 1] == "join_timeout=30"
+
+
+def test_a_ddprun_flag_after_the_script_is_passed_on_but_pointed_out():
+    p = plan(entrypoint=Entrypoint("train.py", ("--dry-run",)))
+    assert p.torchrun_args[-1] == "--dry-run"
+    assert any("--dry-run comes after the script" in n for n in p.notices)
