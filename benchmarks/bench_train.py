@@ -8,9 +8,9 @@ a) Data is never the bottleneck: in one process, the trainer's step over `--data
    alternated over several rounds (median). Beside it: the throughput of the classic
    tutorial's FakeData + ToTensor DataLoader on its own.
 b) CPU scaling: 2 processes against 1, each with one thread, resnet18 on 32x32 images,
-   synthetic data, the same per-process batch (32, then 64): the trainer (with
-   --grad-compression bf16) and a plain DDP loop under torchrun, interleaved, medians of
-   the repeats. Beside the wall-clock ratio, a CPU-bound estimate (2 x CPU time per step at
+   synthetic data, the same per-process batch (32, then 64): the trainer with each
+   --grad-compression in --compressions (default none and powersgd) and a plain DDP loop
+   under torchrun, interleaved, medians of the repeats. Beside the wall-clock ratio, a CPU-bound estimate (2 x CPU time per step at
    1 process / at 2 processes), which other load on the machine disturbs much less.
 c) With a GPU: resnet50, bf16, channels_last, synthetic data, images/s on 1 GPU, the trainer
    against a plain torchvision training loop.
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-SCALING_ARGS = ["--model", "resnet18", "--image-size", "32", "--num-classes", "10", "--grad-compression", "bf16"]
+SCALING_ARGS = ["--model", "resnet18", "--image-size", "32", "--num-classes", "10"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="per process, for (a)")
     parser.add_argument("--scaling-batch-sizes", type=lambda text: [int(v) for v in text.split(",")],
                         default=[32, 64], help="per-process batches compared in (b), e.g. 32,64")
+    parser.add_argument("--compressions", type=lambda text: text.split(","), default=["none", "powersgd"],
+                        help="the trainer's --grad-compression values compared in (b), e.g. none,powersgd")
     parser.add_argument("--repeats", type=int, default=None, help="runs per configuration in (b)")
     parser.add_argument("--skip", choices=["a", "b", "c"], action="append", default=[])
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -137,10 +139,11 @@ def bench_fakedata(*, batch_size: int, image_size: int, batches: int, workers: i
 
 # ---------------------------------------------------------------- (b) CPU scaling, in subprocesses
 
-def ours(nproc: int, *, batch_size: int, steps: int, workdir: Path) -> dict:
+def ours(nproc: int, *, batch_size: int, steps: int, workdir: Path, compression: str) -> dict:
     metrics = workdir / f"ours-{nproc}-{time.monotonic_ns()}.json"
     size = nproc * batch_size * (steps + 5)  # the trainer's clock skips the first 5 steps
     command = TORCHRUN + ["--nproc-per-node", str(nproc), "-m", "ddprun.worker.train", *SCALING_ARGS,
+                          "--grad-compression", compression,
                           "--batch-size", str(batch_size), "--dataset-size", str(size), "--epochs", "1",
                           "--log-interval", "3600", "--metrics-json", str(metrics)]
     _run(command)
@@ -162,18 +165,22 @@ def _run(command: list[str]) -> None:
         sys.exit(f"benchmark run failed ({result.returncode}): {' '.join(command)}\n{result.stderr[-3000:]}")
 
 
-def bench_scaling(*, batch_size: int, steps: int, repeats: int) -> dict:
-    runs = {(kind, n): [] for kind in ("ours", "plain") for n in (1, 2)}
+def bench_scaling(*, batch_size: int, steps: int, repeats: int, compressions: list[str]) -> dict:
+    kinds = [f"ours_{name}" for name in compressions] + ["plain"]
+    runs = {(kind, n): [] for kind in kinds for n in (1, 2)}
     with tempfile.TemporaryDirectory() as workdir:
         for _ in range(repeats):  # interleaved, so a noisy minute hits every configuration alike
             for (kind, nproc), measured in runs.items():
-                launch = ours if kind == "ours" else plain
-                measured.append(launch(nproc, batch_size=batch_size, steps=steps, workdir=Path(workdir)))
-    result = {"batch_size": batch_size}
+                common = dict(batch_size=batch_size, steps=steps, workdir=Path(workdir))
+                if kind == "plain":
+                    measured.append(plain(nproc, **common))
+                else:
+                    measured.append(ours(nproc, compression=kind.removeprefix("ours_"), **common))
+    result = {"batch_size": batch_size, "kinds": kinds, "load_average": os.getloadavg()}
     for (kind, n), measured in runs.items():
         result[f"{kind}_{n}proc_samples_per_sec"] = statistics.median(m["samples_per_sec"] for m in measured)
         result[f"{kind}_{n}proc_cpu_ms_per_step"] = 1e3 * statistics.median(m["cpu_seconds_per_step"] for m in measured)
-    for kind in ("ours", "plain"):
+    for kind in kinds:
         pairs = list(zip(runs[(kind, 1)], runs[(kind, 2)]))
         ratios = [two["samples_per_sec"] / one["samples_per_sec"] for one, two in pairs]
         result[f"{kind}_ratio"] = statistics.median(ratios)
@@ -273,17 +280,22 @@ def report(results: dict) -> None:
         table.add_row("(a) trainer, synthetic data", "", "", f"{a['trainer_samples_per_sec']:,.0f} samples/s")
     for b in results.get("scaling", []):
         batch = b["batch_size"]
-        table.add_row(f"(b) resnet18 32x32, batch {batch}/process: 1 process",
-                      f"{b['ours_1proc_samples_per_sec']:,.0f}/s", f"{b['plain_1proc_samples_per_sec']:,.0f}/s", "")
-        table.add_row(f"(b) resnet18 32x32, batch {batch}/process: 2 processes",
-                      f"{b['ours_2proc_samples_per_sec']:,.0f}/s", f"{b['plain_2proc_samples_per_sec']:,.0f}/s", "")
-        table.add_row(f"(b) batch {batch}: scaling 2 vs 1 process", f"{b['ours_ratio']:.2f}x",
-                      f"{b['plain_ratio']:.2f}x (plain DDP)", "target >= 1.7x")
-        table.add_row(f"(b) batch {batch}: CPU ms per step, 1 -> 2 processes",
-                      f"{b['ours_1proc_cpu_ms_per_step']:.0f} -> {b['ours_2proc_cpu_ms_per_step']:.0f}",
-                      f"{b['plain_1proc_cpu_ms_per_step']:.0f} -> {b['plain_2proc_cpu_ms_per_step']:.0f}", "")
-        table.add_row(f"(b) batch {batch}: scaling if CPU-bound (2 x cpu1/cpu2)", f"{b['ours_cpu_bound_ratio']:.2f}x",
-                      f"{b['plain_cpu_bound_ratio']:.2f}x", "noise-robust cross-check")
+        for kind in b["kinds"]:
+            if kind == "plain":
+                continue
+            label = f"(b) batch {batch}/process, --grad-compression {kind.removeprefix('ours_')}"
+            table.add_row(f"{label}: 1 -> 2 processes", f"{b[kind + '_1proc_samples_per_sec']:,.0f} -> "
+                          f"{b[kind + '_2proc_samples_per_sec']:,.0f}/s", f"{b['plain_1proc_samples_per_sec']:,.0f} -> "
+                          f"{b['plain_2proc_samples_per_sec']:,.0f}/s (plain DDP)", "")
+            table.add_row(f"{label}: scaling 2 vs 1 process", f"{b[kind + '_ratio']:.2f}x",
+                          f"{b['plain_ratio']:.2f}x (plain DDP)", "target >= 1.7x")
+            table.add_row(f"{label}: CPU ms per step, 1 -> 2 processes",
+                          f"{b[kind + '_1proc_cpu_ms_per_step']:.0f} -> {b[kind + '_2proc_cpu_ms_per_step']:.0f}",
+                          f"{b['plain_1proc_cpu_ms_per_step']:.0f} -> {b['plain_2proc_cpu_ms_per_step']:.0f}", "")
+            table.add_row(f"{label}: scaling if CPU-bound (2 x cpu1/cpu2)", f"{b[kind + '_cpu_bound_ratio']:.2f}x",
+                          f"{b['plain_cpu_bound_ratio']:.2f}x", "noise-robust cross-check")
+        table.add_row(f"(b) batch {batch}: load average after the runs", "",
+                      "", " / ".join(f"{v:.2f}" for v in b["load_average"]))
     if "gpu" in results:
         c = results["gpu"]
         table.add_row(f"(c) resnet50 bf16 channels_last, 1 GPU, batch {c['batch']}",
@@ -311,7 +323,9 @@ def main() -> None:
             for workers in (0, 2)
         }
     if "b" not in args.skip:
-        results["scaling"] = [bench_scaling(batch_size=batch, steps=steps, repeats=repeats)
+        # More steps in (b): the trainer skips 5 in its clock, and PowerSGD compresses from step 10 on.
+        results["scaling"] = [bench_scaling(batch_size=batch, steps=steps + 10, repeats=repeats,
+                                            compressions=args.compressions)
                               for batch in args.scaling_batch_sizes]
     if "c" not in args.skip and torch.cuda.is_available():
         results["gpu"] = bench_gpu(steps=steps)

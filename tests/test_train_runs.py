@@ -1,7 +1,7 @@
 """Real trainer runs on CPU (gloo): equivalence, resume exactness, restarts, learning, metrics, bad input.
 
-Two-process launches go through plain torchrun (`python -m torch.distributed.run --standalone`);
-each costs several seconds, so there are few and their results are shared within the module.
+Two-process launches go through the installed `ddprun train` (the example script also through
+plain torchrun); each costs several seconds, so there are few and their results are shared.
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import ddprun_command
+
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+DDPRUN_TRAIN = ddprun_command() + ["train", "--cpu", "--nproc", "2"]
 WORKER = ["-m", "ddprun.worker.train"]
 
 # A model without batch norm (the small cnn drifts further: max-pool and conv sums reorder with the batch),
@@ -43,7 +46,7 @@ def launch(command: list[str], *, timeout: float = 180) -> subprocess.CompletedP
 
 
 def two_procs(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return launch(TORCHRUN + WORKER + args, **kwargs)
+    return launch(DDPRUN_TRAIN + args, **kwargs)
 
 
 def one_proc(args: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -133,11 +136,11 @@ def worker_pids(parent: int) -> list[int]:
 
 
 def test_restarted_workers_resume_from_the_checkpoint(two_proc_synthetic, tmp_path):
-    """kill -9 one worker after the first save: torchrun restarts the group, which resumes from last.pt
+    """kill -9 one worker after the first save: ddprun restarts the group, which resumes from last.pt
     and ends with exactly the weights of the uninterrupted run."""
     checkpoint = tmp_path / "ck"
-    command = TORCHRUN + ["--max-restarts", "1"] + WORKER + SYNTHETIC + ["--batch-size", "8", "--checkpoint-dir",
-                                                                          str(checkpoint)]
+    command = DDPRUN_TRAIN + ["--max-restarts", "1"] + SYNTHETIC + ["--batch-size", "8", "--checkpoint-dir",
+                                                                     str(checkpoint)]
     job = subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     try:
@@ -203,7 +206,9 @@ def test_bad_input_exits_2_in_the_worker_too(tmp_path):
     assert result.returncode == 2 and "unknown model 'resnet9000'" in result.stderr and "mlp, cnn" in result.stderr
 
 
-def test_example_script_under_torchrun():
-    result = ok(launch(TORCHRUN + ["examples/train.py", "--epochs", "2", "--samples", "128"]))
+@pytest.mark.parametrize("launcher", [ddprun_command() + ["run", "--cpu", "--nproc", "2"], TORCHRUN],
+                         ids=["ddprun", "torchrun"])
+def test_example_script_runs_unchanged_under_ddprun_and_torchrun(launcher):
+    result = ok(launch(launcher + ["examples/train.py", "--epochs", "2", "--samples", "128"]))
     assert result.stdout.count("epoch 2/2: loss") == 1  # rank 0 alone prints
     assert "over 128 samples" in result.stdout

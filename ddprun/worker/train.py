@@ -203,13 +203,30 @@ def wrap_ddp(raw: nn.Module, *, opts: TrainOptions, device: torch.device, world_
         raw, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=opts.bucket_cap_mb,
         gradient_as_bucket_view=grads_in_buckets(device), static_graph=opts.static_graph,
     )
-    # One process sends nothing, so compressing would only add two casts per step.
+    # One process sends nothing, so compressing would only add work per step.
     if opts.grad_compression != "none" and world_size > 1:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
-        ddp.register_comm_hook(state=None, hook=hook[opts.grad_compression])
+        register_compression(ddp, opts.grad_compression)
     return ddp
+
+
+# PowerSGD sends plain all-reduced gradients for this many steps before compressing (torch needs > 1
+# with error feedback); its state is not checkpointed, so a resumed run goes through the warm-up again.
+POWERSGD_WARMUP_STEPS = 10
+POWERSGD_RANK = 2
+
+
+def register_compression(ddp: DDP, kind: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if kind == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=POWERSGD_WARMUP_STEPS,
+            use_error_feedback=True, warm_start=True,
+        )
+        ddp.register_comm_hook(state=state, hook=powerSGD_hook.powerSGD_hook)
+        return
+    hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
+    ddp.register_comm_hook(state=None, hook=hook[kind])
 
 
 def grads_in_buckets(device: torch.device) -> bool:

@@ -42,7 +42,7 @@ _PATCH_SIZE = {"vit_b_16": 16, "vit_b_32": 32}
 DATA_KINDS = ("synthetic", "fake")
 OPTIMIZERS = ("sgd", "adamw")
 AMP_CHOICES = ("off", "bf16", "fp16")
-COMPRESSION_CHOICES = ("none", "bf16", "fp16")
+COMPRESSION_CHOICES = ("none", "bf16", "fp16", "powersgd")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 CHECKPOINT_NAME = "last.pt"
 
