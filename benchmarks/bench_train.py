@@ -1,6 +1,6 @@
 """Speed of `ddprun train`'s worker: data overhead, CPU scaling, and (where present) one GPU.
 
-    python benchmarks/bench_train.py            # full run, about 4-5 minutes on 2 CPU cores
+    python benchmarks/bench_train.py            # full run, about 10-15 minutes on 2 CPU cores
     python benchmarks/bench_train.py --quick    # fewer repeats, for a smoke check
 
 a) Data is never the bottleneck: in one process, the trainer's step over `--data synthetic`

@@ -100,6 +100,7 @@ def test_too_little_data_for_one_step_exits_2(tmp_path, capsys):
     dict(model="cnn", amp="fp16"),
     dict(model="cnn", optimizer="adamw", grad_compression="fp16", static_graph=True, bucket_cap_mb=1.0),
     dict(model="cnn", grad_compression="bf16", sync_bn=True),
+    dict(model="cnn", grad_compression="powersgd"),
 ])
 def test_speed_options_train(tmp_path, capsys, options):
     metrics = tmp_path / "m.json"
@@ -117,3 +118,28 @@ def test_resnet_with_batch_norm_trains_a_step(tmp_path):
     metrics = tmp_path / "m.json"
     assert run(model="resnet18", image_size=16, max_steps=2, metrics_json=str(metrics)) == 0
     assert json.loads(metrics.read_text())["steps"] == 2
+
+
+def test_powersgd_hook_trains_past_its_warm_up():
+    """The hook is registered only above one process, so register it by hand on a one-process group:
+    every step, before and after PowerSGD starts compressing, must give finite, useful gradients."""
+    opts = TrainOptions(**{**TINY, "grad_compression": "powersgd"})
+    device = torch.device("cpu")
+    train.init_distributed(opts, env=DistEnv(), device=device)
+    try:
+        torch.manual_seed(0)
+        ddp = train.wrap_ddp(train.build_model("mlp", num_classes=4, image_size=8), opts=opts, device=device,
+                             world_size=2)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        images, labels = torch.randn(16, 3, 8, 8), torch.randint(0, 4, (16,))
+        losses = []
+        for _ in range(train.POWERSGD_WARMUP_STEPS + 10):
+            loss = torch.nn.functional.cross_entropy(ddp(images), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            assert all(torch.isfinite(p.grad).all() for p in ddp.parameters())
+            optimizer.step()
+            losses.append(loss.item())
+        assert losses[-1] < losses[train.POWERSGD_WARMUP_STEPS] < losses[0]
+    finally:
+        torch.distributed.destroy_process_group()

@@ -212,7 +212,7 @@ def wrap_ddp(raw: nn.Module, *, opts: TrainOptions, device: torch.device, world_
 # PowerSGD sends plain all-reduced gradients for this many steps before compressing (torch needs > 1
 # with error feedback); its state is not checkpointed, so a resumed run goes through the warm-up again.
 POWERSGD_WARMUP_STEPS = 10
-POWERSGD_RANK = 2
+POWERSGD_RANK = 1  # torch's default; the cheapest to orthogonalise on one CPU core
 
 
 def register_compression(ddp: DDP, kind: str) -> None:
@@ -223,10 +223,21 @@ def register_compression(ddp: DDP, kind: str) -> None:
             process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=POWERSGD_WARMUP_STEPS,
             use_error_feedback=True, warm_start=True,
         )
-        ddp.register_comm_hook(state=state, hook=powerSGD_hook.powerSGD_hook)
+        ddp.register_comm_hook(state=state, hook=_powersgd_in_order)
         return
     hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
     ddp.register_comm_hook(state=None, hook=hook[kind])
+
+
+def _powersgd_in_order(state, bucket):  # unannotated: DDP checks hook annotations against real classes
+    """PowerSGD chains its all-reduces in callbacks that run on gloo's threads, so two buckets' collectives
+    can interleave differently on each rank (a size mismatch that aborts the job); finishing each bucket
+    before the next is launched keeps the order. On CPU both cores compute anyway: nothing overlaps to lose."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+
+    future = powerSGD_hook(state, bucket)
+    future.wait()
+    return future
 
 
 def grads_in_buckets(device: torch.device) -> bool:
