@@ -137,3 +137,29 @@ def test_forwarded_preemption_signal_reaches_the_workers(cpu_env, tmp_path):
     _, err = job.communicate(timeout=60)
     assert job.returncode == 0, err
     assert sorted(p.name for p in (tmp_path / "out").glob("preempted*")) == ["preempted0", "preempted1"]
+
+
+def test_a_rank_stuck_in_training_becomes_an_error_naming_it(cpu_env, tmp_path):
+    """Rank 1 freezes (SIGSTOP) mid-training: the job fails after the collective timeout, naming rank 1."""
+    logs = tmp_path / "logs"
+    job = subprocess.Popen(
+        ddprun_command() + ["train", "--cpu", "--nproc", "2", "--log-dir", str(logs), "--grace-period", "2",
+                            "--model", "mlp", "--image-size", "16", "--dataset-size", "100000", "--batch-size", "8",
+                            "--collective-timeout", "5", "--log-interval", "0.2"],
+        env=cpu_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    attempt = logs / "attempt_0"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and " loss " not in _read(attempt / "rank_0.stderr.log"):
+        time.sleep(0.1)
+    os.kill(int((attempt / "rank_1.pid").read_text()), signal.SIGSTOP)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode != 0
+    assert "rank 1 did not answer" in err, err[-2000:]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ from ddprun.worker.data import Batch, Placement, TrainData, build_data
 from ddprun.worker.models import build_model
 from ddprun.worker.progress import NullReporter, Reporter, RunSummary, write_metrics
 from ddprun.worker.train_options import TrainOptions, from_argv, validate
+
+T = TypeVar("T")
 
 # Checkpoint args that must match for the saved weights and optimizer state to fit.
 _SHAPE_ARGS = ("model", "optimizer")
@@ -98,8 +100,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _bad_input(error, env=env)
     try:
         device = pick_device(env)
-        init_distributed(opts, env=env, device=device)
-        return run(opts, env=env, device=device, checkpoint=checkpoint, began=began)
+        store = init_distributed(opts, env=env, device=device)
+        return run(opts, env=env, device=device, store=store, checkpoint=checkpoint, began=began)
     except UsageError as error:
         return _bad_input(error, env=env)
     finally:
@@ -143,7 +145,8 @@ def pick_device(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(opts: TrainOptions, *, env: DistEnv, device: torch.device) -> None:
+def init_distributed(opts: TrainOptions, *, env: DistEnv, device: torch.device) -> dist.Store:
+    """The process group; returns its store, through which ranks can still check in after a collective hangs."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     # NCCL's watchdog aborts a collective stuck longer than this; gloo raises after it.
     timeout = timedelta(seconds=opts.collective_timeout)
@@ -157,6 +160,7 @@ def init_distributed(opts: TrainOptions, *, env: DistEnv, device: torch.device) 
         store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
                             device_id=device_id)
+    return store
 
 
 def ready_barrier(opts: TrainOptions, *, device: torch.device) -> None:
@@ -169,6 +173,37 @@ def ready_barrier(opts: TrainOptions, *, device: torch.device) -> None:
     except RuntimeError as error:
         raise RuntimeError(f"ranks did not all finish setup within --collective-timeout "
                            f"{opts.collective_timeout:g} s: {error}") from None
+
+
+def name_silent_ranks(work: Callable[[], T], *, opts: TrainOptions, env: DistEnv, device: torch.device,
+                      store: dist.Store) -> T:
+    """A collective that timed out on gloo only says it waited, and leaves the group unusable.
+    Every rank still alive then checks in through the store, so the error names the ranks
+    that did not answer."""
+    try:
+        return work()
+    except RuntimeError as error:
+        if device.type == "cuda" or "timed out" not in str(error).lower():
+            raise
+        missing = silent_ranks(store, rank=env.rank, world_size=env.world_size,
+                               wait_s=min(opts.collective_timeout, 30.0))
+        if not missing:
+            raise
+        who = ", ".join(map(str, missing))
+        raise RuntimeError(f"a collective timed out after --collective-timeout {opts.collective_timeout:g} s: "
+                           f"rank{'s' if len(missing) > 1 else ''} {who} did not answer") from None
+
+
+def silent_ranks(store: dist.Store, *, rank: int, world_size: int, wait_s: float) -> list[int]:
+    """Check in, then list the ranks that have not checked in within `wait_s` seconds."""
+    key = "ddprun/alive/{}".format
+    store.set(key(rank), "1")
+    deadline = time.monotonic() + wait_s
+    while True:
+        missing = [r for r in range(world_size) if not store.check([key(r)])]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.2)
 
 
 def seed_everything(seed: int) -> None:
@@ -415,7 +450,7 @@ def plan_steps(opts: TrainOptions, *, data: TrainData, world_size: int) -> tuple
     return per_epoch, total if opts.max_steps is None else min(total, opts.max_steps)
 
 
-def run(opts: TrainOptions, *, env: DistEnv, device: torch.device, checkpoint: Optional[dict],
+def run(opts: TrainOptions, *, env: DistEnv, device: torch.device, store: dist.Store, checkpoint: Optional[dict],
         began: float) -> int:
     placement = Placement(device=device, channels_last=opts.channels_last)
     data = build_data(opts, rank=env.rank, world_size=env.world_size, placement=placement)
@@ -427,10 +462,14 @@ def run(opts: TrainOptions, *, env: DistEnv, device: torch.device, checkpoint: O
                             log_interval=opts.log_interval)
     try:
         _announce(opts, env=env, device=device, per_epoch=per_epoch, total_steps=total_steps, reporter=reporter)
-        c = build_components(opts, data=data, device=device, reporter=reporter)
-        pos = _start_position(c, checkpoint, opts=opts, env=env, reporter=reporter)
-        ready_barrier(opts, device=device)
-        outcome = train_loop(c, pos, opts=opts, env=env, total_steps=total_steps, reporter=reporter)
+
+        def setup_and_train() -> tuple[Components, Position, LoopOutcome]:
+            c = build_components(opts, data=data, device=device, reporter=reporter)
+            pos = _start_position(c, checkpoint, opts=opts, env=env, reporter=reporter)
+            ready_barrier(opts, device=device)
+            return c, pos, train_loop(c, pos, opts=opts, env=env, total_steps=total_steps, reporter=reporter)
+
+        c, pos, outcome = name_silent_ranks(setup_and_train, opts=opts, env=env, device=device, store=store)
     finally:
         reporter.close()
     summary = _summarize(c, pos, outcome, opts=opts, env=env, checkpoint=checkpoint, began=began)
