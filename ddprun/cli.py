@@ -18,7 +18,7 @@ from rich.markup import escape
 
 from ddprun import cluster, devices, preflight
 from ddprun.errors import DdprunError, UsageError
-from ddprun.plan import Entrypoint, LaunchOptions, LaunchPlan, build_plan
+from ddprun.plan import DEFAULT_GRACE_PERIOD_S, Entrypoint, LaunchOptions, LaunchPlan, build_plan
 
 app = typer.Typer(
     name="ddprun",
@@ -127,7 +127,7 @@ def run(
     nnodes: Nnodes = None, node_rank: NodeRank = None, master: Master = None,
     rdzv_endpoint: RdzvEndpoint = None, rdzv_id: RdzvId = None,
     max_restarts: MaxRestarts = "0", log_dir: LogDir = None, ranks: Ranks = None,
-    grace_period: GracePeriod = "10", join_timeout: JoinTimeout = None, forward_signal: ForwardSignal = None,
+    grace_period: GracePeriod = f"{DEFAULT_GRACE_PERIOD_S:g}", join_timeout: JoinTimeout = None, forward_signal: ForwardSignal = None,
     dry_run: DryRun = False, as_json: AsJson = False,
 ) -> None:
     """Run any script (or module) on every rank, launched properly."""
@@ -152,7 +152,7 @@ def train(
     nnodes: Nnodes = None, node_rank: NodeRank = None, master: Master = None,
     rdzv_endpoint: RdzvEndpoint = None, rdzv_id: RdzvId = None,
     max_restarts: MaxRestarts = "0", log_dir: LogDir = None, ranks: Ranks = None,
-    grace_period: GracePeriod = "10", join_timeout: JoinTimeout = None, forward_signal: ForwardSignal = None,
+    grace_period: GracePeriod = f"{DEFAULT_GRACE_PERIOD_S:g}", join_timeout: JoinTimeout = None, forward_signal: ForwardSignal = None,
     dry_run: DryRun = False, as_json: AsJson = False,
 ) -> None:
     """Train an image classifier with the bundled DDP trainer (resnet18 on synthetic data by default)."""

@@ -83,7 +83,7 @@ def _sayer(console: Console) -> Callable[[str], None]:
 def _held_rendezvous(plan: LaunchPlan, *, say: Callable[[str], None]) -> Iterator[_Rendezvous]:
     """Hold the store's socket for the job's life when this node serves it; yield the torchrun
     args with the port actually held."""
-    host, port = _split_endpoint(plan.endpoint)
+    host, port = rendezvous.split_endpoint(plan.endpoint)
     address = rendezvous.local_address(host) if plan.store_role != "client" else None
     if address is None:
         if plan.store_role == "host":
@@ -103,7 +103,7 @@ def _held_rendezvous(plan: LaunchPlan, *, say: Callable[[str], None]) -> Iterato
         if held is None:
             yield _Rendezvous(plan.torchrun_args, None)
         else:
-            real = f"{plan.endpoint.rsplit(':', 1)[0]}:{held.port}"
+            real = rendezvous.with_port(plan.endpoint, held.port)
             yield _Rendezvous([real if arg == plan.endpoint else arg for arg in plan.torchrun_args], held)
 
 
@@ -119,11 +119,6 @@ def _join_watch(plan: LaunchPlan, rdzv: _Rendezvous, *, say: Callable[[str], Non
     )
     with watch:
         yield watch
-
-
-def _split_endpoint(endpoint: str) -> tuple[str, int]:
-    host, port = endpoint.rsplit(":", 1)
-    return host.strip("[]"), int(port)
 
 
 def _build_launcher(plan: LaunchPlan, rdzv: _Rendezvous, *, on_start: Callable[[], None] | None):

@@ -258,8 +258,8 @@ def _torchrun_args(
 ) -> list[str]:
     args = ["--nnodes", spec.nnodes_text(), "--nproc-per-node", str(nproc)]
     if spec.rdzv_backend == "static":
-        host, port = endpoint.rsplit(":", 1)
-        args += ["--node-rank", str(spec.node_rank.value), "--master-addr", host.strip("[]"), "--master-port", port]
+        master = spec.endpoint.value
+        args += ["--node-rank", str(spec.node_rank.value), "--master-addr", master.host, "--master-port", str(master.port)]
         args += ["--rdzv-backend", "static", "--rdzv-id", rdzv_id]
     else:
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]

@@ -147,6 +147,16 @@ def register_backend(*, bind_host: str) -> str:
     return BACKEND_NAME
 
 
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """("host", port) of a plan's "host:port" or "[v6]:port" endpoint (already validated)."""
+    host, port = endpoint.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def with_port(endpoint: str, port: int) -> str:
+    return f"{endpoint.rsplit(':', 1)[0]}:{port}"
+
+
 def local_address(host: str) -> str | None:
     """The address of `host` that this machine can listen on, or None if it is another machine's."""
     try:
@@ -214,9 +224,9 @@ class JoinWatch:
 
         import torch.distributed as dist
 
-        host, port = self.endpoint.rsplit(":", 1)
+        host, port = split_endpoint(self.endpoint)
         try:
-            store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+            store = dist.TCPStore(host, port, is_master=False,
                                   timeout=datetime.timedelta(seconds=max(1.0, self.timeout_s)))
             store.add(self._key, 1)
             self._store = store
