@@ -1,6 +1,6 @@
 """Speed of `ddprun train`'s worker: data overhead, CPU scaling, and (where present) one GPU.
 
-    python benchmarks/bench_train.py            # full run, about 10-15 minutes on 2 CPU cores
+    python benchmarks/bench_train.py            # full run, about 25 minutes on 2 CPU cores
     python benchmarks/bench_train.py --quick    # fewer repeats, for a smoke check
 
 a) Data is never the bottleneck: in one process, the trainer's step over `--data synthetic`
@@ -8,10 +8,11 @@ a) Data is never the bottleneck: in one process, the trainer's step over `--data
    alternated over several rounds (median). Beside it: the throughput of the classic
    tutorial's FakeData + ToTensor DataLoader on its own.
 b) CPU scaling: 2 processes against 1, each with one thread, resnet18 on 32x32 images,
-   synthetic data, the same per-process batch (32, then 64): the trainer with each
-   --grad-compression in --compressions (default none and powersgd) and a plain DDP loop
-   under torchrun, interleaved, medians of the repeats. Beside the wall-clock ratio, a CPU-bound estimate (2 x CPU time per step at
-   1 process / at 2 processes), which other load on the machine disturbs much less.
+   synthetic data, the same per-process batch (32, then 64): `ddprun train` in each of
+   --variants (default: the shared-memory all-reduce and gloo's) and a plain DDP loop under
+   torchrun, interleaved, medians of the repeats. Beside the wall-clock ratio, a CPU-bound
+   estimate (2 x CPU time per step at 1 process / at 2 processes), which other load on the
+   machine disturbs much less.
 c) With a GPU: resnet50, bf16, channels_last, synthetic data, images/s on 1 GPU, the trainer
    against a plain torchvision training loop.
 
@@ -35,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+DDPRUN_TRAIN = [sys.executable, "-m", "ddprun", "train", "--cpu"]
 SCALING_ARGS = ["--model", "resnet18", "--image-size", "32", "--num-classes", "10"]
 
 
@@ -44,8 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="per process, for (a)")
     parser.add_argument("--scaling-batch-sizes", type=lambda text: [int(v) for v in text.split(",")],
                         default=[32, 64], help="per-process batches compared in (b), e.g. 32,64")
-    parser.add_argument("--compressions", type=lambda text: text.split(","), default=["none", "powersgd"],
-                        help="the trainer's --grad-compression values compared in (b), e.g. none,powersgd")
+    parser.add_argument("--variants", type=lambda text: text.split(","), default=["shm", "gloo"],
+                        help="the trainer's variants compared in (b): " + ", ".join(VARIANTS))
     parser.add_argument("--repeats", type=int, default=None, help="runs per configuration in (b)")
     parser.add_argument("--skip", choices=["a", "b", "c"], action="append", default=[])
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -84,7 +86,7 @@ def bench_data_overhead(*, batch_size: int, steps: int, rounds: int) -> dict:
     trainer.init_distributed(opts, env=env, device=device)
     try:
         data = build_data(opts, rank=0, world_size=1, placement=Placement(device=device, channels_last=cuda))
-        c = trainer.build_components(opts, data=data, device=device, reporter=NullReporter())
+        c = trainer.build_components(opts, env=trainer.DistEnv(), data=data, device=device, reporter=NullReporter())
         images, labels = next(data.train.batches(0))
 
         def sync() -> None:
@@ -139,13 +141,21 @@ def bench_fakedata(*, batch_size: int, image_size: int, batches: int, workers: i
 
 # ---------------------------------------------------------------- (b) CPU scaling, in subprocesses
 
-def ours(nproc: int, *, batch_size: int, steps: int, workdir: Path, compression: str) -> dict:
+# The trainer's variants compared in (b): name -> extra `ddprun train` options.
+VARIANTS = {
+    "shm": ["--grad-allreduce", "shm"],  # what auto picks for CPU ranks on one host
+    "gloo": ["--grad-allreduce", "backend"],  # DDP's own all-reduce through gloo
+    "bf16": ["--grad-allreduce", "backend", "--grad-compression", "bf16"],
+    "powersgd": ["--grad-allreduce", "backend", "--grad-compression", "powersgd"],
+}
+
+
+def ours(nproc: int, *, batch_size: int, steps: int, workdir: Path, variant: str) -> dict:
     metrics = workdir / f"ours-{nproc}-{time.monotonic_ns()}.json"
     size = nproc * batch_size * (steps + 5)  # the trainer's clock skips the first 5 steps
-    command = TORCHRUN + ["--nproc-per-node", str(nproc), "-m", "ddprun.worker.train", *SCALING_ARGS,
-                          "--grad-compression", compression,
-                          "--batch-size", str(batch_size), "--dataset-size", str(size), "--epochs", "1",
-                          "--log-interval", "3600", "--metrics-json", str(metrics)]
+    command = DDPRUN_TRAIN + ["--nproc", str(nproc), *SCALING_ARGS, *VARIANTS[variant],
+                              "--batch-size", str(batch_size), "--dataset-size", str(size), "--epochs", "1",
+                              "--log-interval", "3600", "--metrics-json", str(metrics)]
     _run(command)
     metrics = json.loads(metrics.read_text())
     return {"samples_per_sec": metrics["samples_per_sec"], "cpu_seconds_per_step": metrics["cpu_seconds_per_step"]}
@@ -165,8 +175,8 @@ def _run(command: list[str]) -> None:
         sys.exit(f"benchmark run failed ({result.returncode}): {' '.join(command)}\n{result.stderr[-3000:]}")
 
 
-def bench_scaling(*, batch_size: int, steps: int, repeats: int, compressions: list[str]) -> dict:
-    kinds = [f"ours_{name}" for name in compressions] + ["plain"]
+def bench_scaling(*, batch_size: int, steps: int, repeats: int, variants: list[str]) -> dict:
+    kinds = [f"ours_{name}" for name in variants] + ["plain"]
     runs = {(kind, n): [] for kind in kinds for n in (1, 2)}
     with tempfile.TemporaryDirectory() as workdir:
         for _ in range(repeats):  # interleaved, so a noisy minute hits every configuration alike
@@ -175,8 +185,8 @@ def bench_scaling(*, batch_size: int, steps: int, repeats: int, compressions: li
                 if kind == "plain":
                     measured.append(plain(nproc, **common))
                 else:
-                    measured.append(ours(nproc, compression=kind.removeprefix("ours_"), **common))
-    result = {"batch_size": batch_size, "kinds": kinds, "load_average": os.getloadavg()}
+                    measured.append(ours(nproc, variant=kind.removeprefix("ours_"), **common))
+    result = {"batch_size": batch_size, "kinds": kinds, "repeats": repeats, "load_average": os.getloadavg()}
     for (kind, n), measured in runs.items():
         result[f"{kind}_{n}proc_samples_per_sec"] = statistics.median(m["samples_per_sec"] for m in measured)
         result[f"{kind}_{n}proc_cpu_ms_per_step"] = 1e3 * statistics.median(m["cpu_seconds_per_step"] for m in measured)
@@ -283,7 +293,7 @@ def report(results: dict) -> None:
         for kind in b["kinds"]:
             if kind == "plain":
                 continue
-            label = f"(b) batch {batch}/process, --grad-compression {kind.removeprefix('ours_')}"
+            label = f"(b) batch {batch}/process, {' '.join(VARIANTS[kind.removeprefix('ours_')])}"
             table.add_row(f"{label}: 1 -> 2 processes", f"{b[kind + '_1proc_samples_per_sec']:,.0f} -> "
                           f"{b[kind + '_2proc_samples_per_sec']:,.0f}/s", f"{b['plain_1proc_samples_per_sec']:,.0f} -> "
                           f"{b['plain_2proc_samples_per_sec']:,.0f}/s (plain DDP)", "")
@@ -314,7 +324,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     steps = 10 if args.quick else 20
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats or (1 if args.quick else 5)
     results: dict = {}
     if "a" not in args.skip:
         results["data"] = bench_data_overhead(batch_size=args.batch_size, steps=steps, rounds=3 if args.quick else 5)
@@ -325,7 +335,7 @@ def main() -> None:
     if "b" not in args.skip:
         # More steps in (b): the trainer skips 5 in its clock, and PowerSGD compresses from step 10 on.
         results["scaling"] = [bench_scaling(batch_size=batch, steps=steps + 10, repeats=repeats,
-                                            compressions=args.compressions)
+                                            variants=args.variants)
                               for batch in args.scaling_batch_sizes]
     if "c" not in args.skip and torch.cuda.is_available():
         results["gpu"] = bench_gpu(steps=steps)

@@ -114,6 +114,59 @@ def test_speed_options_train(tmp_path, capsys, options):
     assert (state["scaler"] is not None) == (options.get("amp") == "fp16")
 
 
+class Notes:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def note(self, text: str) -> None:
+        self.lines.append(text)
+
+
+ONE_HOST = DistEnv(world_size=2, local_world_size=2, launched=True)
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("env, device, opts, reason", [
+    (ONE_HOST, CPU, TrainOptions(), None),
+    (ONE_HOST, torch.device("cuda", 0), TrainOptions(), "trains on cuda"),
+    (DistEnv(world_size=4, local_world_size=2, launched=True), CPU, TrainOptions(), "not all on this host (2 are)"),
+    (ONE_HOST, CPU, TrainOptions(grad_compression="bf16"), "--grad-compression bf16 goes through the backend"),
+])
+def test_where_the_shared_memory_all_reduce_applies(env, device, opts, reason):
+    got = train.shm_does_not_apply(opts, env=env, device=device)
+    assert got == reason if reason is None else reason in got
+
+
+@pytest.fixture
+def one_process_group():
+    train.init_distributed(TrainOptions(**TINY), env=DistEnv(), device=CPU)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_auto_falls_back_to_the_backend_with_a_note_when_shm_cannot_be_set_up(monkeypatch, one_process_group):
+    def unavailable(**kwargs):
+        raise train.SharedMemoryUnavailable("rank 1 could not set up shared memory: /dev/shm has 60 MiB free")
+
+    monkeypatch.setattr(train.ShmAllreduce, "create", unavailable)
+    ddp = train.wrap_ddp(train.build_model("mlp", num_classes=4, image_size=8), opts=TrainOptions(), device=CPU,
+                         world_size=1)
+    notes = Notes()
+    assert train.attach_allreduce(ddp, opts=TrainOptions(), env=ONE_HOST, device=CPU, reporter=notes) == "gloo"
+    assert notes.lines == ["note: gradients go through gloo: rank 1 could not set up shared memory: "
+                           "/dev/shm has 60 MiB free"]
+    with pytest.raises(train.UsageError, match="--grad-allreduce shm: rank 1 could not set up"):
+        train.attach_allreduce(ddp, opts=TrainOptions(grad_allreduce="shm"), env=ONE_HOST, device=CPU,
+                               reporter=notes)
+    with pytest.raises(train.UsageError, match="not all on this host"):
+        train.attach_allreduce(ddp, opts=TrainOptions(grad_allreduce="shm"), device=CPU, reporter=notes,
+                               env=DistEnv(world_size=4, local_world_size=2, launched=True))
+    # One process, or the backend asked for: nothing to set up, nothing said.
+    assert train.attach_allreduce(ddp, opts=TrainOptions(grad_allreduce="shm"), env=DistEnv(), device=CPU,
+                                  reporter=notes) == "gloo"
+    assert len(notes.lines) == 1
+
+
 def test_resnet_with_batch_norm_trains_a_step(tmp_path):
     metrics = tmp_path / "m.json"
     assert run(model="resnet18", image_size=16, max_steps=2, metrics_json=str(metrics)) == 0

@@ -84,11 +84,17 @@ def test_numbers_out_of_range(field, value, needle):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("optimizer", "lamb"), ("amp", "fp8"), ("grad_compression", "int8"),
+    ("optimizer", "lamb"), ("amp", "fp8"), ("grad_compression", "int8"), ("grad_allreduce", "nccl"),
 ])
 def test_bad_choices_name_the_alternatives(field, value):
     error = error_of(TrainOptions(**{field: value}))
     assert value in error.message and "," in error.message
+
+
+def test_shm_allreduce_sends_no_compressed_gradients():
+    error = error_of(TrainOptions(grad_allreduce="shm", grad_compression="powersgd"))
+    assert "--grad-allreduce shm" in error.message and "powersgd" in error.message
+    validate(TrainOptions(grad_allreduce="auto", grad_compression="powersgd"))  # auto leaves it to the backend
 
 
 def test_zero_workers_and_zero_weight_decay_are_fine():
@@ -205,7 +211,7 @@ ROUND_TRIPS = [
                  batch_size=4, lr=0.05, optimizer="adamw", weight_decay=0.0, amp="bf16", channels_last=True,
                  compile=True, grad_accum=2, sync_bn=True, workers=0, seed=123, checkpoint_dir="/tmp/ck dir",
                  resume=True, save_every=2, metrics_json="m.json", log_interval=0.5, bucket_cap_mb=100.0,
-                 grad_compression="bf16", static_graph=True, collective_timeout=30.0),
+                 grad_compression="bf16", grad_allreduce="backend", static_graph=True, collective_timeout=30.0),
     TrainOptions(data="-weird/path=with=equals", lr=1e-07, checkpoint_dir="--looks-like-a-flag"),
     TrainOptions(lr=0.1 + 0.2, bucket_cap_mb=1 / 3),
 ]

@@ -15,7 +15,7 @@ def summary(**overrides) -> RunSummary:
         world_size=2, global_batch_size=64, batch_size_per_process=32, steps=120, epochs=3,
         samples_per_sec=1234.5, samples_per_sec_per_process=617.25, cpu_seconds_per_step=0.1, wall_time_s=12.5, final_loss=0.4321,
         val_accuracy=0.875, val_samples=63, peak_memory_bytes=512 * 2**20, peak_memory_kind="rss",
-        model="resnet18", device="cpu", resumed_from_step=None,
+        model="resnet18", device="cpu", grad_allreduce="shm", resumed_from_step=None,
     )
     values.update(overrides)
     return RunSummary(**values)

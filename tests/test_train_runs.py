@@ -109,6 +109,20 @@ def test_equivalence_two_procs_at_b_equal_one_proc_at_2b(two_proc_synthetic, tmp
         torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5)
 
 
+def test_gloo_all_reduce_ends_where_the_shared_memory_one_does(two_proc_synthetic, tmp_path):
+    """The default on one CPU host sums in shared memory; DDP's own gloo all-reduce must agree with it."""
+    reference, metrics_path, _ = two_proc_synthetic
+    assert json.loads(metrics_path.read_text())["grad_allreduce"] == "shm"
+    ok(two_procs(SYNTHETIC + ["--batch-size", "8", "--epochs", "1", "--grad-allreduce", "backend",
+                              "--checkpoint-dir", str(tmp_path / "gloo")]))
+    ok(two_procs(SYNTHETIC + ["--batch-size", "8", "--epochs", "1", "--grad-allreduce", "shm", "--bucket-cap-mb",
+                              "0.01", "--checkpoint-dir", str(tmp_path / "shm")]))  # many small buckets
+    gloo, shm = weights(tmp_path / "gloo"), weights(tmp_path / "shm")
+    for name in gloo:
+        torch.testing.assert_close(shm[name], gloo[name], rtol=1e-5, atol=1e-6)
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("ddprun-")]
+
+
 def test_metrics_json_and_summary(two_proc_synthetic):
     _, metrics_path, result = two_proc_synthetic
     metrics = json.loads(metrics_path.read_text())
@@ -159,6 +173,7 @@ def test_restarted_workers_resume_from_the_checkpoint(two_proc_synthetic, tmp_pa
             job.wait()
     assert job.returncode == 0, stderr[-3000:]
     assert "resuming from" in stderr and "(restart 1)" in stderr
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("ddprun-")]  # none left by kill -9
     reference = weights(two_proc_synthetic[0])
     restarted = weights(checkpoint)
     for name in reference:

@@ -37,6 +37,7 @@ class RunSummary:
     peak_memory_kind: str  # "cuda" | "rss"
     model: str
     device: str
+    grad_allreduce: str  # "shm" (shared memory), or the backend that all-reduced: "gloo" | "nccl"
     resumed_from_step: Optional[int]
 
 
@@ -177,6 +178,7 @@ def summary_table(s: RunSummary) -> Table:
         ("wall time", f"{s.wall_time_s:.1f} s"), ("final loss", _fmt(s.final_loss, ".4f")),
         ("val accuracy", _fmt(s.val_accuracy, ".2%", "no val set")),
         (memory, f"{s.peak_memory_bytes / 2**20:,.0f} MiB"),
+        ("gradient all-reduce", "shared memory" if s.grad_allreduce == "shm" else s.grad_allreduce),
     ]
     if s.resumed_from_step is not None:
         rows.append(("resumed from step", str(s.resumed_from_step)))

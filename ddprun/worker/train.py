@@ -32,6 +32,7 @@ from ddprun.worker.checkpoint import (
 from ddprun.worker.data import Batch, Placement, TrainData, build_data
 from ddprun.worker.models import build_model
 from ddprun.worker.progress import NullReporter, Reporter, RunSummary, write_metrics
+from ddprun.worker.shm_allreduce import SharedMemoryUnavailable, ShmAllreduce, capacity_for, shm_allreduce_hook
 from ddprun.worker.train_options import TrainOptions, from_argv, validate
 
 T = TypeVar("T")
@@ -80,6 +81,7 @@ class Components:
     device: torch.device
     data: TrainData
     grads_in_buckets: bool  # .grad tensors are views into DDP's buckets: zero them in place, never drop them
+    grad_allreduce: str  # "shm", or the backend that all-reduces the gradients
 
     def autocast(self):
         if self.amp_dtype is None:
@@ -215,7 +217,8 @@ def seed_everything(seed: int) -> None:
         numpy.random.seed(seed)
 
 
-def build_components(opts: TrainOptions, *, data: TrainData, device: torch.device, reporter) -> Components:
+def build_components(opts: TrainOptions, *, env: DistEnv, data: TrainData, device: torch.device,
+                     reporter) -> Components:
     seed_everything(opts.seed)  # identical initial weights on every rank
     raw = build_model(opts.model, num_classes=data.num_classes, image_size=opts.image_size)
     if opts.sync_bn and device.type == "cuda":
@@ -223,14 +226,16 @@ def build_components(opts: TrainOptions, *, data: TrainData, device: torch.devic
     elif opts.sync_bn:
         reporter.note("note: --sync-bn has no effect on CPU (SyncBatchNorm needs CUDA); using plain batch norm")
     raw = raw.to(device, memory_format=torch.channels_last if opts.channels_last else torch.preserve_format)
-    ddp = wrap_ddp(raw, opts=opts, device=device, world_size=dist.get_world_size())
+    ddp = wrap_ddp(raw, opts=opts, device=device, world_size=env.world_size)
+    grad_allreduce = attach_allreduce(ddp, opts=opts, env=env, device=device, reporter=reporter)
     forward = torch.compile(ddp) if opts.compile else ddp
     optimizer = build_optimizer(opts, raw.parameters())
     use_scaler = opts.amp == "fp16"
     scaler = torch.amp.GradScaler(device.type) if use_scaler else None
     amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[opts.amp]
     return Components(raw=raw, ddp=ddp, forward=forward, optimizer=optimizer, scaler=scaler,
-                      amp_dtype=amp_dtype, device=device, data=data, grads_in_buckets=grads_in_buckets(device))
+                      amp_dtype=amp_dtype, device=device, data=data, grads_in_buckets=grads_in_buckets(device),
+                      grad_allreduce=grad_allreduce)
 
 
 def wrap_ddp(raw: nn.Module, *, opts: TrainOptions, device: torch.device, world_size: int) -> DDP:
@@ -242,6 +247,48 @@ def wrap_ddp(raw: nn.Module, *, opts: TrainOptions, device: torch.device, world_
     if opts.grad_compression != "none" and world_size > 1:
         register_compression(ddp, opts.grad_compression)
     return ddp
+
+
+def attach_allreduce(ddp: DDP, *, opts: TrainOptions, env: DistEnv, device: torch.device, reporter) -> str:
+    """Put the shared-memory all-reduce in DDP where it can serve; returns what all-reduces: "shm" or the backend.
+    --grad-allreduce auto falls back to the backend quietly where shm does not apply, with a note where it
+    should have and could not be set up (a small /dev/shm in a container); shm makes either an error."""
+    backend = dist.get_backend()
+    if opts.grad_allreduce == "backend" or env.world_size < 2:  # one process: DDP reduces nothing anyway
+        return backend
+    reason = shm_does_not_apply(opts, env=env, device=device)
+    if reason is None:
+        try:
+            state = ShmAllreduce.create(rank=env.rank, world_size=env.world_size,
+                                        capacity=capacity_for(ddp.parameters()), exchange=_all_gather,
+                                        timeout_s=opts.collective_timeout)
+        except SharedMemoryUnavailable as error:
+            if opts.grad_allreduce == "auto":
+                reporter.note(f"note: gradients go through {backend}: {error}")
+                return backend
+            reason = str(error)
+        else:
+            ddp.register_comm_hook(state=state, hook=shm_allreduce_hook)
+            return "shm"
+    if opts.grad_allreduce == "shm":
+        raise UsageError(f"--grad-allreduce shm: {reason}", hint="use --grad-allreduce auto or backend")
+    return backend
+
+
+def shm_does_not_apply(opts: TrainOptions, *, env: DistEnv, device: torch.device) -> Optional[str]:
+    if device.type != "cpu":
+        return f"it averages CPU gradients, and this job trains on {device.type}"
+    if env.local_world_size != env.world_size:
+        return f"the {env.world_size} ranks are not all on this host ({env.local_world_size} are)"
+    if opts.grad_compression != "none":
+        return f"--grad-compression {opts.grad_compression} goes through the backend"
+    return None
+
+
+def _all_gather(value) -> list:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 # PowerSGD sends plain all-reduced gradients for this many steps before compressing (torch needs > 1
@@ -464,7 +511,7 @@ def run(opts: TrainOptions, *, env: DistEnv, device: torch.device, store: dist.S
         _announce(opts, env=env, device=device, per_epoch=per_epoch, total_steps=total_steps, reporter=reporter)
 
         def setup_and_train() -> tuple[Components, Position, LoopOutcome]:
-            c = build_components(opts, data=data, device=device, reporter=reporter)
+            c = build_components(opts, env=env, data=data, device=device, reporter=reporter)
             pos = _start_position(c, checkpoint, opts=opts, env=env, reporter=reporter)
             ready_barrier(opts, device=device)
             return c, pos, train_loop(c, pos, opts=opts, env=env, total_steps=total_steps, reporter=reporter)
@@ -552,7 +599,7 @@ def _summarize(c: Components, pos: Position, outcome: LoopOutcome, *, opts: Trai
         samples_per_sec_per_process=None if speed is None else speed / env.world_size,
         wall_time_s=time.perf_counter() - began, final_loss=outcome.final_loss,
         val_accuracy=outcome.val_accuracy, val_samples=outcome.val_samples, peak_memory_bytes=memory,
-        peak_memory_kind=kind, model=opts.model, device=c.device.type,
+        peak_memory_kind=kind, model=opts.model, device=c.device.type, grad_allreduce=c.grad_allreduce,
         resumed_from_step=checkpoint["step"] if checkpoint else None,
     )
 

@@ -43,6 +43,8 @@ DATA_KINDS = ("synthetic", "fake")
 OPTIMIZERS = ("sgd", "adamw")
 AMP_CHOICES = ("off", "bf16", "fp16")
 COMPRESSION_CHOICES = ("none", "bf16", "fp16", "powersgd")
+# auto: shared memory when every rank trains on this host's CPU, else the backend's (gloo, nccl) all-reduce
+ALLREDUCE_CHOICES = ("auto", "shm", "backend")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 CHECKPOINT_NAME = "last.pt"
 
@@ -76,6 +78,7 @@ class TrainOptions:
     log_interval: float = 10.0  # seconds between plain progress lines
     bucket_cap_mb: float = 25.0
     grad_compression: str = "none"
+    grad_allreduce: str = "auto"
     static_graph: bool = False
     collective_timeout: float = 300.0  # seconds
 
@@ -192,9 +195,14 @@ def _check_choices(opts: TrainOptions) -> None:
     if opts.model not in MODEL_CHOICES:
         raise UsageError(f"unknown model {opts.model!r}", hint="choose one of: " + ", ".join(MODEL_CHOICES))
     for flag, value, choices in (("--optimizer", opts.optimizer, OPTIMIZERS), ("--amp", opts.amp, AMP_CHOICES),
-                                 ("--grad-compression", opts.grad_compression, COMPRESSION_CHOICES)):
+                                 ("--grad-compression", opts.grad_compression, COMPRESSION_CHOICES),
+                                 ("--grad-allreduce", opts.grad_allreduce, ALLREDUCE_CHOICES)):
         if value not in choices:
             raise UsageError(f"{flag} {value!r} is not one of: {', '.join(choices)}")
+    if opts.grad_allreduce == "shm" and opts.grad_compression != "none":
+        raise UsageError(f"--grad-allreduce shm averages full-precision gradients; it cannot send "
+                         f"--grad-compression {opts.grad_compression}",
+                         hint="drop one of them (on one host, shm is the faster of the two)")
 
 
 def _check_image_size(opts: TrainOptions) -> None:
@@ -288,7 +296,7 @@ def _has_image(folder: str) -> bool:
 WORKER_MODULE = "ddprun.worker.train"
 _CHOICES = {"model": "mlp, cnn or a torchvision model", "data": "synthetic, fake or PATH",
             "optimizer": "|".join(OPTIMIZERS), "amp": "|".join(AMP_CHOICES),
-            "grad_compression": "|".join(COMPRESSION_CHOICES)}
+            "grad_compression": "|".join(COMPRESSION_CHOICES), "grad_allreduce": "|".join(ALLREDUCE_CHOICES)}
 
 
 def parse_cli(args: Sequence[str]) -> TrainOptions:
