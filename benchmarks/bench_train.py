@@ -53,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--plain-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--plain-gpu-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--alone", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=30, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -161,10 +162,10 @@ def ours(nproc: int, *, batch_size: int, steps: int, workdir: Path, variant: str
     return {"samples_per_sec": metrics["samples_per_sec"], "cpu_seconds_per_step": metrics["cpu_seconds_per_step"]}
 
 
-def plain(nproc: int, *, batch_size: int, steps: int, workdir: Path) -> dict:
+def plain(nproc: int, *, batch_size: int, steps: int, workdir: Path, alone: bool = False) -> dict:
     out = workdir / f"plain-{nproc}-{time.monotonic_ns()}.json"
     command = TORCHRUN + ["--nproc-per-node", str(nproc), __file__, "--plain-worker", "--batch-size",
-                          str(batch_size), "--steps", str(steps), "--out", str(out)]
+                          str(batch_size), "--steps", str(steps), "--out", str(out)] + ["--alone"] * alone
     _run(command)
     return json.loads(out.read_text())
 
@@ -176,14 +177,14 @@ def _run(command: list[str]) -> None:
 
 
 def bench_scaling(*, batch_size: int, steps: int, repeats: int, variants: list[str]) -> dict:
-    kinds = [f"ours_{name}" for name in variants] + ["plain"]
+    kinds = [f"ours_{name}" for name in variants] + ["plain", "alone"]
     runs = {(kind, n): [] for kind in kinds for n in (1, 2)}
     with tempfile.TemporaryDirectory() as workdir:
         for _ in range(repeats):  # interleaved, so a noisy minute hits every configuration alike
             for (kind, nproc), measured in runs.items():
                 common = dict(batch_size=batch_size, steps=steps, workdir=Path(workdir))
-                if kind == "plain":
-                    measured.append(plain(nproc, **common))
+                if kind in ("plain", "alone"):
+                    measured.append(plain(nproc, alone=kind == "alone", **common))
                 else:
                     measured.append(ours(nproc, variant=kind.removeprefix("ours_"), **common))
     result = {"batch_size": batch_size, "kinds": kinds, "repeats": repeats, "load_average": os.getloadavg()}
@@ -203,7 +204,8 @@ def bench_scaling(*, batch_size: int, steps: int, repeats: int, variants: list[s
 
 
 def plain_worker(args: argparse.Namespace) -> None:
-    """A plain DDP loop, as people write it: default DDP, SGD, one fixed random batch."""
+    """A plain DDP loop, as people write it: default DDP, SGD, one fixed random batch. With --alone, no DDP:
+    each process trains on its own and never communicates, the machine's ceiling for any all-reduce."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -213,7 +215,9 @@ def plain_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = DDP(torchvision.models.resnet18(num_classes=10))
+    model = torchvision.models.resnet18(num_classes=10)
+    if not args.alone:
+        model = DDP(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     images, labels = torch.randn(args.batch_size, 3, 32, 32), torch.randint(0, 10, (args.batch_size,))
     warmup = 5
@@ -291,7 +295,7 @@ def report(results: dict) -> None:
     for b in results.get("scaling", []):
         batch = b["batch_size"]
         for kind in b["kinds"]:
-            if kind == "plain":
+            if kind in ("plain", "alone"):
                 continue
             label = f"(b) batch {batch}/process, {' '.join(VARIANTS[kind.removeprefix('ours_')])}"
             table.add_row(f"{label}: 1 -> 2 processes", f"{b[kind + '_1proc_samples_per_sec']:,.0f} -> "
@@ -304,6 +308,10 @@ def report(results: dict) -> None:
                           f"{b['plain_1proc_cpu_ms_per_step']:.0f} -> {b['plain_2proc_cpu_ms_per_step']:.0f}", "")
             table.add_row(f"{label}: scaling if CPU-bound (2 x cpu1/cpu2)", f"{b[kind + '_cpu_bound_ratio']:.2f}x",
                           f"{b['plain_cpu_bound_ratio']:.2f}x", "noise-robust cross-check")
+        if "alone_ratio" in b:
+            table.add_row(f"(b) batch {batch}: 2 processes that never communicate (no DDP)", "",
+                          f"{b['alone_1proc_samples_per_sec']:,.0f} -> {b['alone_2proc_samples_per_sec']:,.0f}/s",
+                          f"{b['alone_ratio']:.2f}x: the ceiling")
         table.add_row(f"(b) batch {batch}: load average after the runs", "",
                       "", " / ".join(f"{v:.2f}" for v in b["load_average"]))
     if "gpu" in results:

@@ -185,13 +185,15 @@ def check_memory(*, total_bytes: int | None, available_bytes: int | None) -> Che
 
 
 def check_shm(*, total_bytes: int | None, free_bytes: int | None) -> CheckResult:
-    """DataLoader workers and NCCL's intra-node transport live in /dev/shm; 64 MiB (Docker's default) breaks both."""
+    """DataLoader workers, NCCL's intra-node transport and `ddprun train`'s CPU all-reduce live in /dev/shm;
+    64 MiB (Docker's default) breaks the first two and sends the third back to gloo."""
     if total_bytes is None:
         return CheckResult("/dev/shm", SKIP, "no /dev/shm on this system")
     free = free_bytes if free_bytes is not None else total_bytes
     detail = f"{human_bytes(total_bytes)} total, {human_bytes(free)} free"
     if total_bytes < MIN_SHM_BYTES or free < MIN_SHM_BYTES:
-        detail += f": under {human_bytes(MIN_SHM_BYTES)}; DataLoader workers and NCCL may die with 'Bus error'"
+        detail += (f": under {human_bytes(MIN_SHM_BYTES)}; DataLoader workers and NCCL may die with 'Bus error', "
+                   f"and ddprun train averages CPU gradients through gloo instead")
         return CheckResult("/dev/shm", WARN, detail, hint=SHM_HINT)
     return CheckResult("/dev/shm", OK, detail)
 

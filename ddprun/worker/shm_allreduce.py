@@ -47,6 +47,8 @@ class ShmAllreduce:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self._slots, self._result = [slot.untyped_storage() for slot in slots], result.untyped_storage()
         self._wake_fd, self._peer_fds = wake_fd, peer_fds
+        self._wake = select.poll()  # not select.select: a busy process can hold fds above FD_SETSIZE
+        self._wake.register(wake_fd, select.POLLIN)
         self._arrivals = [0] * world_size  # wake-ups received from each rank
         self._waits = 0  # barriers this rank has entered
         self._cursor = 0  # where the next bucket's result goes in this backward pass
@@ -63,13 +65,17 @@ class ShmAllreduce:
         files = _Files(directory, token, rank=rank, world_size=world_size)
         try:
             _agree(exchange, _attempt(lambda: files.make(capacity)), "set up")
-            opened = _attempt(lambda: files.open_all(capacity))
-            _agree(exchange, opened, "reach")
+            state = _attempt(lambda: cls(rank=rank, world_size=world_size, timeout_s=timeout_s,
+                                         **files.open_all(capacity)))
+            try:
+                _agree(exchange, state, "reach")
+            except SharedMemoryUnavailable:
+                if isinstance(state, cls):
+                    state.close()
+                raise
         finally:
             files.unlink_own()  # every rank has opened them, or the setup is abandoned
-        slots, result, wake_fd, peer_fds = opened
-        return cls(rank=rank, world_size=world_size, slots=slots, result=result, wake_fd=wake_fd,
-                   peer_fds=peer_fds, timeout_s=timeout_s)
+        return state
 
     def mean(self, bucket: torch.Tensor, *, first: bool) -> torch.Tensor:
         """The mean of `bucket` over all ranks, as a tensor in the result region (storage offset 0,
@@ -121,7 +127,7 @@ class ShmAllreduce:
         deadline = time.monotonic() + self.timeout_s
         while behind := [r for r in self._peer_fds if self._arrivals[r] < self._waits]:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._wake_fd], [], [], left)[0]:
+            if left <= 0 or not self._wake.poll(left * 1e3):
                 ranks = ", ".join(map(str, behind))
                 raise RuntimeError(f"shared-memory all-reduce timed out after {self.timeout_s:g} s: rank "
                                    f"{self.rank} waited for rank{'s' if len(behind) > 1 else ''} {ranks}")
@@ -185,12 +191,13 @@ class _Files:
         finally:
             os.close(fd)
 
-    def open_all(self, capacity: int) -> tuple[list[torch.Tensor], torch.Tensor, int, dict[int, int]]:
+    def open_all(self, capacity: int) -> dict:
+        """ShmAllreduce's slots, result, wake_fd and peer_fds."""
         slots = [_map(self.slot(r), capacity) for r in range(self.world_size)]
         result = _map(self.result, capacity)
         wake_fd = os.open(self.fifo(self.rank), os.O_RDWR | os.O_NONBLOCK)  # RDWR: never EOF, never blocks
         peer_fds = {r: os.open(self.fifo(r), os.O_RDWR) for r in range(self.world_size) if r != self.rank}
-        return slots, result, wake_fd, peer_fds
+        return dict(slots=slots, result=result, wake_fd=wake_fd, peer_fds=peer_fds)
 
     def unlink_own(self) -> None:
         for path in self.created:
