@@ -262,14 +262,12 @@ def attach_allreduce(ddp: DDP, *, opts: TrainOptions, env: DistEnv, device: torc
             state = ShmAllreduce.create(rank=env.rank, world_size=env.world_size,
                                         capacity=capacity_for(ddp.parameters()), exchange=_all_gather,
                                         timeout_s=opts.collective_timeout)
-        except SharedMemoryUnavailable as error:
-            if opts.grad_allreduce == "auto":
-                reporter.note(f"note: gradients go through {backend}: {error}")
-                return backend
-            reason = str(error)
-        else:
             ddp.register_comm_hook(state=state, hook=shm_allreduce_hook)
             return "shm"
+        except SharedMemoryUnavailable as error:
+            reason = str(error)
+            if opts.grad_allreduce == "auto":
+                reporter.note(f"note: gradients go through {backend}: {reason}")
     if opts.grad_allreduce == "shm":
         raise UsageError(f"--grad-allreduce shm: {reason}", hint="use --grad-allreduce auto or backend")
     return backend
