@@ -517,7 +517,7 @@ def hints_for(cause: RankFailure) -> list[str]:
                 + _SIGNAL_HINTS[name]]
     hints = [f"No Python exception was raised: the script called sys.exit({code}) or "
              f"os._exit({code}), or a native library exited."]
-    if code == 2:
+    if code == 2 and any(line.lstrip().startswith("usage:") for line in cause.stderr_tail):
         hints.append("argparse exits with 2 when it rejects the arguments: see the usage "
                       "message above.")
     return hints

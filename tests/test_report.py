@@ -493,8 +493,11 @@ def test_exit_code_above_128_names_the_signal_a_shell_reported():
     assert "128 + 9" in text and "SIGKILL" in text and "out-of-memory" in text
 
 
-def test_argparse_exit_code_2_hint():
-    assert "argparse" in render([failure(0, 2)])
+def test_argparse_exit_code_2_hint_only_after_a_usage_message():
+    rejected = ("usage: train.py [-h] [--lr LR]", "train.py: error: unrecognized arguments: --lrr")
+    assert "argparse" in render([failure(0, 2, stderr_tail=rejected)])
+    explained = ("ddprun train: error: --data /nope: no such directory",)
+    assert "argparse" not in render([failure(0, 2, stderr_tail=explained)])
 
 
 def test_rank_ranges():
