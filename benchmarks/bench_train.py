@@ -1,6 +1,6 @@
 """Speed of `ddprun train`'s worker: data overhead, CPU scaling, and (where present) one GPU.
 
-    python benchmarks/bench_train.py            # full run, about 25 minutes on 2 CPU cores
+    python benchmarks/bench_train.py            # full run, about 35 minutes on 2 CPU cores
     python benchmarks/bench_train.py --quick    # fewer repeats, for a smoke check
 
 a) Data is never the bottleneck: in one process, the trainer's step over `--data synthetic`
@@ -9,8 +9,9 @@ a) Data is never the bottleneck: in one process, the trainer's step over `--data
    tutorial's FakeData + ToTensor DataLoader on its own.
 b) CPU scaling: 2 processes against 1, each with one thread, resnet18 on 32x32 images,
    synthetic data, the same per-process batch (32, then 64): `ddprun train` in each of
-   --variants (default: the shared-memory all-reduce and gloo's) and a plain DDP loop under
-   torchrun, interleaved, medians of the repeats. Beside the wall-clock ratio, a CPU-bound
+   --variants (default: the shared-memory all-reduce and gloo's), a plain DDP loop under
+   torchrun and the same loop without DDP (processes that never communicate: the ceiling),
+   interleaved, medians of the repeats. Beside the wall-clock ratio, a CPU-bound
    estimate (2 x CPU time per step at 1 process / at 2 processes), which other load on the
    machine disturbs much less.
 c) With a GPU: resnet50, bf16, channels_last, synthetic data, images/s on 1 GPU, the trainer

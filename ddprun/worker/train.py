@@ -441,8 +441,7 @@ def evaluate(c: Components) -> tuple[Optional[float], int]:
 
 def save_checkpoint(c: Components, pos: Position, *, opts: TrainOptions, env: DistEnv) -> None:
     """Rank 0 writes last.pt atomically with every rank's RNG state; all ranks wait for it."""
-    rng_states = [None] * env.world_size
-    dist.all_gather_object(rng_states, capture_rng())
+    rng_states = _all_gather(capture_rng())
     if env.rank == 0:
         state = {
             "format": FORMAT_VERSION, "model": c.raw.state_dict(), "optimizer": c.optimizer.state_dict(),
