@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -196,3 +198,14 @@ def test_powersgd_hook_trains_past_its_warm_up():
         assert losses[-1] < losses[train.POWERSGD_WARMUP_STEPS] < losses[0]
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_leave_runs_exit_handlers_flushes_and_keeps_the_code(tmp_path):
+    """The trainer's exit skips the interpreter's teardown, not what a normal exit promises."""
+    handled = tmp_path / "handled"
+    script = ("import atexit, sys; from ddprun.worker.train import leave\n"
+              f"atexit.register(lambda: open({str(handled)!r}, 'w').close())\n"
+              "print('unflushed', end=''); print('err', end='', file=sys.stderr); leave(3)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr[-3:]) == (3, "unflushed", "err")
+    assert handled.exists()

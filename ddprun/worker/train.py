@@ -7,6 +7,7 @@ Exit codes: 0 done, 2 bad input (options, checkpoint), 1 or an exception otherwi
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -601,5 +602,19 @@ def _summarize(c: Components, pos: Position, outcome: LoopOutcome, *, opts: Trai
     )
 
 
+def leave(code: int) -> None:
+    """End the process after a run that returned, skipping the interpreter's teardown.
+
+    DDP's reducer keeps the gloo process group and its native threads alive past
+    destroy_process_group, so they are still running while the interpreter tears itself down;
+    a finished rank has been seen to abort there (SIGABRT, "terminate called without an active
+    exception"), turning a complete run into a failed one. Every file the trainer writes is
+    closed by now; exit handlers still run, with the interpreter intact."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
