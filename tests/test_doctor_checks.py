@@ -488,3 +488,25 @@ def test_bandwidth_summary():
     result = checks.check_bandwidth(rows=rows, backend="gloo", nranks=2)
     assert result.status == OK and "peak busbw 1.05 GB/s" in result.detail and "1 MiB" in result.detail
     assert checks.check_bandwidth(rows=[], backend="gloo", nranks=2).status == SKIP
+
+
+RANK1_FAILED = dict(REPORT, steps=[{"name": "init_process_group", "status": "fail",
+                                    "detail": "RuntimeError: nccl needs one GPU per rank"}])
+
+
+def test_a_failure_only_another_rank_recorded_is_reported_with_its_rank():
+    # The launcher stopped rank 0 before it wrote anything: rank 1's failure stands alone.
+    merged = checks.with_other_ranks_failure(None, {1: RANK1_FAILED})
+    assert merged["steps"] == [{"name": "init_process_group", "status": "fail",
+                                "detail": "rank 1: RuntimeError: nccl needs one GPU per rank"}]
+    assert merged["backend"] == "gloo" and smoke(report=merged, returncode=1)[0].status == FAIL
+    # Rank 0 got further: its steps stay, the other rank's failure follows them.
+    partial = dict(REPORT, steps=REPORT["steps"][:1])
+    assert [s["status"] for s in checks.with_other_ranks_failure(partial, {1: RANK1_FAILED})["steps"]] == [OK, FAIL]
+
+
+def test_rank_0s_own_failure_wins_and_other_ranks_without_failures_change_nothing():
+    own = dict(REPORT, steps=[{"name": "broadcast", "status": "fail", "detail": "1 rank(s) received wrong values"}])
+    assert checks.with_other_ranks_failure(own, {1: RANK1_FAILED}) is own
+    assert checks.with_other_ranks_failure(REPORT, {1: REPORT}) is REPORT
+    assert checks.with_other_ranks_failure(None, {}) is None

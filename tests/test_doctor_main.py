@@ -325,3 +325,12 @@ def test_smoke_sweep_arithmetic():
     assert smoke.iterations(8, gpu=False) == (3, 50)
     assert smoke.iterations(64 << 20, gpu=False) == (1, 4)
     assert smoke.iterations(1 << 30, gpu=True) == (1, 8)
+
+
+def test_read_report_takes_another_ranks_failure_when_rank_0_wrote_none(tmp_path):
+    out = tmp_path / "smoke.json"
+    failure = {"backend": "gloo", "steps": [{"name": "init_process_group", "status": "fail", "detail": "boom"}]}
+    Path(checks.rank_report_path(str(out), 2)).write_text(json.dumps(failure))
+    assert main.read_report(out, nranks=2) is None  # rank 2 is not part of a 2-rank job
+    report = main.read_report(out, nranks=3)
+    assert report["steps"] == [{"name": "init_process_group", "status": "fail", "detail": "rank 2: boom"}]

@@ -628,6 +628,25 @@ def format_progress(*, pid: int, index: int, step: str) -> str:
     return f"{pid} {index} {step}\n"
 
 
+def rank_report_path(out: str, rank: int) -> str:
+    """Where a smoke rank other than 0 writes its results, once one of its steps failed."""
+    return f"{out}.rank{rank}"
+
+
+def with_other_ranks_failure(report: Mapping | None, others: Mapping[int, Mapping]) -> Mapping | None:
+    """Rank 0's report, plus the first failure another rank recorded where rank 0's shows none:
+    the launcher stops every rank once one fails, so rank 0 may be gone before it could report."""
+    if report is not None and any(step.get("status") == FAIL for step in report.get("steps", [])):
+        return report
+    for rank in sorted(others):
+        failed = next((step for step in others[rank].get("steps", []) if step.get("status") == FAIL), None)
+        if failed is not None:
+            base = report if report is not None else {k: v for k, v in others[rank].items() if k != "steps"}
+            step = {**failed, "detail": f"rank {rank}: {failed.get('detail', '')}"}
+            return {**base, "steps": [*base.get("steps", []), step]}
+    return report
+
+
 def parse_progress(rank: int, text: str) -> Progress | None:
     pid, _, rest = text.strip().partition(" ")
     index, _, step = rest.partition(" ")

@@ -249,7 +249,7 @@ def run_smoke(plan: SmokePlan) -> SmokeOutcome:
         returncode, timed_out, progress = launch(
             argv, log_path=log_path, timeout_s=plan.timeout_s, progress_dir=progress_dir
         )
-        report = read_report(out)
+        report = read_report(out, nranks=plan.nranks)
         tail = read_tail(log_path)
     results = checks.check_smoke(
         report=report,
@@ -345,7 +345,13 @@ def read_progress(progress_dir: Path) -> list[checks.Progress]:
     return found
 
 
-def read_report(path: Path) -> dict | None:
+def read_report(out: Path, *, nranks: int) -> Mapping | None:
+    """Rank 0's results, with the first failure of another rank where rank 0 recorded none."""
+    others = {rank: _read_json(Path(checks.rank_report_path(str(out), rank))) for rank in range(1, nranks)}
+    return checks.with_other_ranks_failure(_read_json(out), {r: o for r, o in others.items() if o is not None})
+
+
+def _read_json(path: Path) -> dict | None:
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -4,7 +4,8 @@
 
 Launched by `ddprun doctor` through `ddprun run`. Each rank records the step it is about to
 run in DIR/rank<R> so that the doctor can name the step that hung. Rank 0 (re)writes the
-results to FILE after every step, so a hang still leaves the steps that passed.
+results to FILE after every step, so a hang still leaves the steps that passed; another rank
+writes FILE.rank<R> only once it fails.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ddprun.doctor.checks import EXIT_STEP, FAIL, OK, SKIP, format_progress, human_bytes
+from ddprun.doctor.checks import EXIT_STEP, FAIL, OK, SKIP, format_progress, human_bytes, rank_report_path
 
 CHECK_ELEMENTS = 1031  # odd, so no collective algorithm gets an even split for free
 DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
@@ -53,8 +54,14 @@ class Smoke:
         self.write()
 
     def write(self) -> None:
-        if self.rank != 0:
-            return
+        """Rank 0 writes FILE. Another rank writes FILE.rank<R> once it has a failure: the launcher
+        stops every rank as soon as one fails, so rank 0 may be gone before it can report it."""
+        if self.rank == 0:
+            self._dump(self.args.out)
+        elif any(step["status"] == FAIL for step in self.steps):
+            self._dump(rank_report_path(self.args.out, self.rank))
+
+    def _dump(self, path: str) -> None:
         report = {
             "backend": self.backend,
             "world_size": self.world,
@@ -62,9 +69,9 @@ class Smoke:
             "steps": self.steps,
             "bandwidth": self.bandwidth,
         }
-        with open(self.args.out + ".tmp", "w", encoding="utf-8") as f:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
-        os.replace(self.args.out + ".tmp", self.args.out)
+        os.replace(path + ".tmp", path)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
