@@ -75,7 +75,7 @@ def bench_data_overhead(*, batch_size: int, steps: int, rounds: int) -> dict:
     from ddprun.worker import train as trainer
     from ddprun.worker.data import Placement, build_data
     from ddprun.worker.progress import NullReporter
-    from ddprun.worker.train_options import TrainOptions
+    from ddprun.train_options import TrainOptions
 
     cuda = torch.cuda.is_available()
     opts = TrainOptions(

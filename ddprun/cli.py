@@ -137,7 +137,7 @@ def run(
 
 
 def _trainer_help() -> str:
-    from ddprun.worker import train_options
+    from ddprun import train_options
 
     return "\b\nTraining options (passed to every rank):\n" + train_options.options_help()
 
@@ -156,7 +156,7 @@ def train(
     dry_run: DryRun = False, as_json: AsJson = False,
 ) -> None:
     """Train an image classifier with the bundled DDP trainer (resnet18 on synthetic data by default)."""
-    from ddprun.worker import train_options
+    from ddprun import train_options
 
     trainer = train_options.parse_cli(ctx.args)
     flags = dict(locals())

@@ -20,7 +20,7 @@ from ddprun import live, rendezvous, report, signals
 from ddprun.deaths import DeathWatch, rank_of
 from ddprun.errors import DdprunError
 from ddprun.plan import BOOTSTRAP_MODULE, LaunchPlan
-from ddprun.worker.bootstrap import LAUNCHER_PID_ENV
+from ddprun.envnames import LAUNCHER_PID_ENV
 
 # torch handles these by stopping the workers with the same signal; ddprun handles SIGINT
 # and SIGTERM itself (so that a second one kills at once) and forwards what the user asked.

@@ -17,7 +17,7 @@ from typing import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ddprun.worker.bootstrap import PROGRESS_FILE_ENV
+from ddprun.envnames import PROGRESS_FILE_ENV
 
 _POLL_S = 0.25
 

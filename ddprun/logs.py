@@ -17,7 +17,7 @@ from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
-from ddprun.worker.bootstrap import PID_FILE_ENV
+from ddprun.envnames import PID_FILE_ENV
 
 LINE_PREFIX_TEMPLATE = "[rank ${rank}] "
 

@@ -12,7 +12,7 @@ import torch
 
 from ddprun.worker import train
 from ddprun.worker.train import DistEnv
-from ddprun.worker.train_options import TrainOptions, to_argv
+from ddprun.train_options import TrainOptions, to_argv
 
 TINY = dict(model="mlp", image_size=8, num_classes=4, dataset_size=64, batch_size=8, workers=0, seed=1,
             log_interval=3600.0)

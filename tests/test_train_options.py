@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ddprun.errors import UsageError
-from ddprun.worker.train_options import (
+from ddprun.train_options import (
     MODEL_CHOICES, TrainOptions, build_parser, class_folders, from_argv, image_folder_roots, to_argv, validate,
 )
 
@@ -241,7 +241,7 @@ def test_from_argv_rejects_malformed_values(capsys):
 
 
 def test_options_module_does_not_import_torch():
-    code = ("import sys, ddprun.worker.train_options as t; t.validate(t.TrainOptions()); "
+    code = ("import sys, ddprun.train_options as t; t.validate(t.TrainOptions()); "
             "print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -21,12 +21,8 @@ import time
 import traceback
 from types import TracebackType
 
-LAUNCHER_PID_ENV = "DDPRUN_LAUNCHER_PID"
-# Where this rank writes its pid, so the launcher can tell which rank a dead pid was.
-PID_FILE_ENV = "DDPRUN_PID_FILE"
-# Where rank 0 of the bundled trainer appends progress records for the launcher's bar.
-PROGRESS_FILE_ENV = "DDPRUN_PROGRESS_FILE"
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+from ddprun.envnames import ERROR_FILE_ENV, LAUNCHER_PID_ENV, PID_FILE_ENV
+
 _PR_SET_PDEATHSIG = 1
 _USAGE = "usage: python -m ddprun.worker.bootstrap SCRIPT [ARGS...] | -m MODULE [ARGS...]"
 # Frames of this file and of runpy sit above the user's code in every traceback; hide them.

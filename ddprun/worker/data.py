@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from ddprun.worker.train_options import TrainOptions, image_folder_roots
+from ddprun.train_options import TrainOptions, image_folder_roots
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ddprun.worker.bootstrap import PROGRESS_FILE_ENV
+from ddprun.envnames import PROGRESS_FILE_ENV
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from ddprun.worker.data import Batch, Placement, TrainData, build_data
 from ddprun.worker.models import build_model
 from ddprun.worker.progress import NullReporter, Reporter, RunSummary, write_metrics
 from ddprun.worker.shm_allreduce import SharedMemoryUnavailable, ShmAllreduce, capacity_for, shm_allreduce_hook
-from ddprun.worker.train_options import TrainOptions, from_argv, validate
+from ddprun.train_options import TrainOptions, from_argv, validate
 
 T = TypeVar("T")
 

@@ -1,0 +1,15 @@
+"""Environment variables through which the launcher talks to the processes it starts.
+
+Both sides import this module: the launcher's rooms never import from `ddprun.worker`, and
+the worker side never imports the launcher's.
+"""
+
+# The launcher's pid: a worker that finds another parent was orphaned before it could arm
+# its parent-death signal.
+LAUNCHER_PID_ENV = "DDPRUN_LAUNCHER_PID"
+# Where each rank writes its pid, so the launcher can tell which rank a dead pid was.
+PID_FILE_ENV = "DDPRUN_PID_FILE"
+# Where rank 0 of the bundled trainer appends progress records for the launcher's bar.
+PROGRESS_FILE_ENV = "DDPRUN_PROGRESS_FILE"
+# torch elastic's own variable: where a failing rank records its exception.
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
