@@ -12,14 +12,15 @@ and read_driver_version(). No torch: this module is imported for --help and --dr
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from ddprun.errors import DdprunError, UsageError
+
+_T = TypeVar("_T")
 
 VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
 
@@ -343,11 +344,6 @@ def describe_gpu(visible: VisibleGpu, *, ordinal: int | None = None) -> str:
 # Inventory: NVML first, then nvidia-smi, else no GPU
 # ---------------------------------------------------------------------------------------
 
-_NVML_LIBRARY = "libnvidia-ml.so.1"
-_NVML_SUCCESS = 0
-_NVML_ERROR_NOT_SUPPORTED = 3
-_NVML_BUFFER = 96  # NVML_DEVICE_UUID_V2_BUFFER_SIZE and NVML_DEVICE_NAME_V2_BUFFER_SIZE
-_NVML_DRIVER_BUFFER = 80  # NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE
 _MIB = 1024 * 1024
 
 _SMI = "nvidia-smi"
@@ -437,103 +433,51 @@ def _run_smi(args: Sequence[str]) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-class _NvmlFailure(Exception):
-    """An NVML call returned an error: fall back to nvidia-smi."""
-
-
-class _NvmlMemory(ctypes.Structure):
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
-
-
-def _load_nvml() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(_NVML_LIBRARY)
-    except OSError:
-        return None
-
-
-def _declare_nvml(lib: ctypes.CDLL) -> None:
-    """Give ctypes the C signatures (raises AttributeError on a driver too old for the _v2 calls)."""
-    handle_p = ctypes.POINTER(ctypes.c_void_p)
-    signatures = {
-        "nvmlInit_v2": [],
-        "nvmlShutdown": [],
-        "nvmlDeviceGetCount_v2": [ctypes.POINTER(ctypes.c_uint)],
-        "nvmlDeviceGetHandleByIndex_v2": [ctypes.c_uint, handle_p],
-        "nvmlDeviceGetUUID": [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint],
-        "nvmlDeviceGetName": [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint],
-        "nvmlDeviceGetMemoryInfo": [ctypes.c_void_p, ctypes.POINTER(_NvmlMemory)],
-        "nvmlSystemGetDriverVersion": [ctypes.c_char_p, ctypes.c_uint],
-    }
-    for name, argtypes in signatures.items():
-        function = getattr(lib, name)
-        function.argtypes = argtypes
-        function.restype = ctypes.c_int
-
-
-def _check(status: int) -> None:
-    if status != _NVML_SUCCESS:
-        raise _NvmlFailure(status)
-
-
-@contextlib.contextmanager
-def _nvml_session() -> Iterator[ctypes.CDLL]:
-    """An initialised NVML, shut down afterwards. Raises _NvmlFailure when unavailable."""
-    lib = _load_nvml()
-    if lib is None:
-        raise _NvmlFailure("library not found")
-    try:
-        _declare_nvml(lib)
-    except AttributeError as missing:
-        raise _NvmlFailure(str(missing)) from None
-    _check(lib.nvmlInit_v2())
-    try:
-        yield lib
-    finally:
-        lib.nvmlShutdown()
-
-
 def _read_nvml_inventory() -> list[Gpu] | None:
-    try:
-        with _nvml_session() as lib:
-            return _nvml_gpus(lib)
-    except _NvmlFailure:
-        return None
+    """The GPUs as NVML lists them, or None when NVML is missing or fails (nvidia-smi is next)."""
+    return _with_nvml(_nvml_gpus)
 
 
 def _read_nvml_driver_version() -> str | None:
+    return _with_nvml(lambda pynvml: _text(pynvml.nvmlSystemGetDriverVersion()) or None)
+
+
+def _with_nvml(read: Callable[[Any], _T]) -> _T | None:
+    """read(pynvml) inside an initialised NVML session; None when NVML is missing or any call fails."""
     try:
-        with _nvml_session() as lib:
-            buffer = ctypes.create_string_buffer(_NVML_DRIVER_BUFFER)
-            _check(lib.nvmlSystemGetDriverVersion(buffer, _NVML_DRIVER_BUFFER))
-            return buffer.value.decode("utf-8", "replace") or None
-    except _NvmlFailure:
+        import pynvml  # nvidia-ml-py: NVIDIA's own bindings, imported only when the inventory is read
+    except ImportError:
         return None
+    try:
+        pynvml.nvmlInit()  # loads libnvidia-ml.so.1; NVMLError_LibraryNotFound without a driver
+    except pynvml.NVMLError:
+        return None
+    try:
+        return read(pynvml)
+    except pynvml.NVMLError:
+        return None
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
 
 
-def _nvml_gpus(lib: ctypes.CDLL) -> list[Gpu]:
-    count = ctypes.c_uint(0)
-    _check(lib.nvmlDeviceGetCount_v2(ctypes.byref(count)))
+def _nvml_gpus(pynvml: Any) -> list[Gpu]:
     gpus = []
-    for index in range(count.value):
-        handle = ctypes.c_void_p()
-        _check(lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)))
-        uuid = _nvml_string(lib.nvmlDeviceGetUUID, handle)
-        name = _nvml_string(lib.nvmlDeviceGetName, handle)
-        gpus.append(Gpu(index=index, uuid=uuid, name=name, memory_mib=_nvml_memory_mib(lib, handle)))
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+        name = _text(pynvml.nvmlDeviceGetName(handle))
+        gpus.append(Gpu(index=index, uuid=uuid, name=name, memory_mib=_nvml_memory_mib(pynvml, handle)))
     return gpus
 
 
-def _nvml_string(function: object, handle: ctypes.c_void_p) -> str:
-    buffer = ctypes.create_string_buffer(_NVML_BUFFER)
-    _check(function(handle, buffer, _NVML_BUFFER))
-    return buffer.value.decode("utf-8", "replace")
-
-
-def _nvml_memory_mib(lib: ctypes.CDLL, handle: ctypes.c_void_p) -> int:
-    memory = _NvmlMemory()
-    status = lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory))
-    if status == _NVML_ERROR_NOT_SUPPORTED:  # GPUs that share system memory report none
+def _nvml_memory_mib(pynvml: Any, handle: object) -> int:
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // _MIB
+    except pynvml.NVMLError_NotSupported:  # GPUs that share system memory report none
         return 0
-    _check(status)
-    return memory.total // _MIB
+
+
+def _text(value: str | bytes) -> str:
+    # nvidia-ml-py returns str; releases before 11.515 returned bytes.
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value

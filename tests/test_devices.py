@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import ctypes
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pynvml
 import pytest
 
 from ddprun import devices
@@ -427,7 +427,7 @@ def test_parse_inventory_csv_rejects_garbage(text):
 @pytest.fixture
 def no_nvml(monkeypatch):
     """Make NVML absent even on a machine with a driver, so the nvidia-smi path is what runs."""
-    monkeypatch.setattr(devices, "_load_nvml", lambda: None)
+    FakeNvml([], fail={"init": pynvml.NVML_ERROR_LIBRARY_NOT_FOUND}).install(monkeypatch)
 
 
 @pytest.fixture
@@ -489,53 +489,37 @@ def test_machine_with_driver_but_no_gpu(no_nvml, bin_dir):
     assert read_inventory() == []
 
 
-# --- NVML path, through a stand-in for libnvidia-ml ------------------------------------
+# --- NVML path, through pynvml's functions replaced by a stand-in ----------------------
 
 
-class FakeNvml(SimpleNamespace):
-    """Plays libnvidia-ml.so.1 for the ctypes calls devices.py makes (C out-parameters included)."""
+class FakeNvml:
+    """Plays the pynvml functions devices.py calls; `fail` maps a function name to an NVML error code."""
 
-    def __init__(self, gpus, *, init_status=0, memory_status=0):
-        calls: list[str] = []
+    def __init__(self, gpus, *, fail=None, driver="560.35.03"):
+        self.gpus, self.fail, self.driver, self.calls = gpus, dict(fail or {}), driver, []
 
-        def record(name, status=0):
-            calls.append(name)
-            return status
+    def _call(self, name, result=None):
+        self.calls.append(name)
+        if name in self.fail:
+            raise pynvml.NVMLError(self.fail[name])  # NVML's own mapping to NVMLError_<Name>
+        return result
 
-        def get_count(count_ref):
-            count_ref._obj.value = len(gpus)
-            return record("count")
-
-        def get_handle(index, handle_ref):
-            handle_ref._obj.value = 1000 + index
-            return record("handle")
-
-        def string_getter(position):
-            def get(handle, buffer, length):
-                buffer.value = gpus[handle.value - 1000][position].encode()
-                return record("string")
-
-            return get
-
-        def get_memory(handle, memory_ref):
-            memory_ref._obj.total = gpus[handle.value - 1000][3] * 1024 * 1024 + 12345
-            return record("memory", memory_status)
-
-        def get_driver(buffer, length):
-            buffer.value = b"560.35.03"
-            return record("driver")
-
-        super().__init__(
-            calls=calls,
-            nvmlInit_v2=lambda: record("init", init_status),
-            nvmlShutdown=lambda: record("shutdown"),
-            nvmlDeviceGetCount_v2=get_count,
-            nvmlDeviceGetHandleByIndex_v2=get_handle,
-            nvmlDeviceGetUUID=string_getter(1),
-            nvmlDeviceGetName=string_getter(2),
-            nvmlDeviceGetMemoryInfo=get_memory,
-            nvmlSystemGetDriverVersion=get_driver,
-        )
+    def install(self, monkeypatch):
+        answers = {
+            "nvmlInit": lambda: self._call("init"),
+            "nvmlShutdown": lambda: self._call("shutdown"),
+            "nvmlDeviceGetCount": lambda: self._call("count", len(self.gpus)),
+            "nvmlDeviceGetHandleByIndex": lambda index: self._call("handle", 1000 + index),
+            "nvmlDeviceGetUUID": lambda handle: self._call("uuid", self.gpus[handle - 1000][1]),
+            "nvmlDeviceGetName": lambda handle: self._call("name", self.gpus[handle - 1000][2]),
+            "nvmlDeviceGetMemoryInfo": lambda handle: self._call(
+                "memory", SimpleNamespace(total=self.gpus[handle - 1000][3] * 1024 * 1024 + 12345, free=0, used=0)
+            ),
+            "nvmlSystemGetDriverVersion": lambda: self._call("driver", self.driver),
+        }
+        for name, function in answers.items():
+            monkeypatch.setattr(pynvml, name, function)
+        return self
 
 
 @pytest.fixture
@@ -545,48 +529,60 @@ def stub_smi_two_gpus(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", path_with(stub.parent))
 
 
-def use_nvml(monkeypatch, fake):
-    monkeypatch.setattr(devices, "_load_nvml", lambda: fake)
-    return fake
-
-
 def test_nvml_is_read_first(stub_smi_two_gpus, monkeypatch):
-    fake = use_nvml(monkeypatch, FakeNvml(FOUR_GPUS))
+    fake = FakeNvml(FOUR_GPUS).install(monkeypatch)
     assert read_inventory() == INVENTORY
     assert fake.calls[0] == "init" and fake.calls[-1] == "shutdown"
     assert read_driver_version() == "560.35.03"
 
 
-def test_nvml_declares_c_signatures(monkeypatch):
-    fake = use_nvml(monkeypatch, FakeNvml(FOUR_GPUS[:1]))
-    read_inventory()
-    assert fake.nvmlDeviceGetUUID.argtypes == [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint]
-    assert fake.nvmlDeviceGetCount_v2.restype is ctypes.c_int
+def test_nvml_bytes_from_old_bindings_are_decoded(monkeypatch):
+    old = [(i, u.encode(), n.encode(), m) for i, u, n, m in FOUR_GPUS[:1]]
+    FakeNvml(old, driver=b"470.82.01").install(monkeypatch)
+    assert read_inventory() == INVENTORY[:1]
+    assert read_driver_version() == "470.82.01"
 
 
-def test_nvml_init_failure_falls_back_to_nvidia_smi(stub_smi_two_gpus, monkeypatch):
-    fake = use_nvml(monkeypatch, FakeNvml(FOUR_GPUS, init_status=9))  # NVML_ERROR_DRIVER_NOT_LOADED
+@pytest.mark.parametrize(
+    "code", [pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_DRIVER_NOT_LOADED, pynvml.NVML_ERROR_NO_PERMISSION]
+)
+def test_nvml_init_failure_falls_back_to_nvidia_smi(stub_smi_two_gpus, monkeypatch, code):
+    fake = FakeNvml(FOUR_GPUS, fail={"init": code}).install(monkeypatch)
     assert read_inventory() == INVENTORY[:2]
-    assert "shutdown" not in fake.calls
+    assert "shutdown" not in fake.calls  # nothing to shut down after a failed init
     assert read_driver_version() == "550.54.15"
 
 
 def test_nvml_device_error_falls_back_to_nvidia_smi(stub_smi_two_gpus, monkeypatch):
-    fake = use_nvml(monkeypatch, FakeNvml(FOUR_GPUS, memory_status=15))  # NVML_ERROR_GPU_IS_LOST
+    fake = FakeNvml(FOUR_GPUS, fail={"uuid": pynvml.NVML_ERROR_GPU_IS_LOST}).install(monkeypatch)
     assert read_inventory() == INVENTORY[:2]
     assert fake.calls[-1] == "shutdown"
 
 
+def test_nvml_driver_version_error_falls_back_to_nvidia_smi(stub_smi_two_gpus, monkeypatch):
+    FakeNvml(FOUR_GPUS, fail={"driver": pynvml.NVML_ERROR_UNKNOWN}).install(monkeypatch)
+    assert read_driver_version() == "550.54.15"
+
+
+def test_nvml_missing_a_function_falls_back_to_nvidia_smi(stub_smi_two_gpus, monkeypatch):
+    FakeNvml(FOUR_GPUS, fail={"count": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND}).install(monkeypatch)
+    assert read_inventory() == INVENTORY[:2]
+
+
+def test_nvml_failing_shutdown_keeps_the_answer(stub_smi_two_gpus, monkeypatch):
+    FakeNvml(FOUR_GPUS, fail={"shutdown": pynvml.NVML_ERROR_UNINITIALIZED}).install(monkeypatch)
+    assert read_inventory() == INVENTORY
+
+
 def test_nvml_without_memory_support_reports_zero(monkeypatch):
-    use_nvml(monkeypatch, FakeNvml(FOUR_GPUS[:1], memory_status=3))  # NVML_ERROR_NOT_SUPPORTED
+    FakeNvml(FOUR_GPUS[:1], fail={"memory": pynvml.NVML_ERROR_NOT_SUPPORTED}).install(monkeypatch)
     assert read_inventory() == [Gpu(index=0, uuid=UUID0, name=INVENTORY[0].name, memory_mib=0)]
 
 
-def test_nvml_missing_a_symbol_falls_back_to_nvidia_smi(stub_smi_two_gpus, monkeypatch):
-    fake = FakeNvml(FOUR_GPUS)
-    del fake.nvmlDeviceGetCount_v2  # a driver too old for the _v2 entry points
-    use_nvml(monkeypatch, fake)
+def test_without_the_pynvml_package_nvidia_smi_is_read(stub_smi_two_gpus, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
     assert read_inventory() == INVENTORY[:2]
+    assert read_driver_version() == "550.54.15"
 
 
 def test_real_probe_never_raises():
@@ -595,8 +591,8 @@ def test_real_probe_never_raises():
     assert read_driver_version() is None or read_driver_version()[0].isdigit()
 
 
-def test_devices_does_not_import_torch():
-    code = "import sys, ddprun.devices; print('torch' in sys.modules)"
+def test_devices_imports_neither_torch_nor_pynvml():
+    code = "import sys, ddprun.devices; print('torch' in sys.modules or 'pynvml' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert done.stdout.strip() == "False"
