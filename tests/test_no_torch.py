@@ -1,4 +1,4 @@
-"""--help and --dry-run never import torch: they stay instant."""
+"""--help and --dry-run never import torch (nor psutil): they stay instant."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ try:
 except SystemExit:
     pass
 print("TORCH" if "torch" in sys.modules else "NO-TORCH", file=sys.stderr)
+print("PSUTIL" if "psutil" in sys.modules else "NO-PSUTIL", file=sys.stderr)
 """
 
 
@@ -30,4 +31,4 @@ print("TORCH" if "torch" in sys.modules else "NO-TORCH", file=sys.stderr)
 )
 def test_no_torch_import(args, cpu_env):
     result = subprocess.run([sys.executable, "-c", PROBE, *args], env=cpu_env, capture_output=True, text=True, timeout=60)
-    assert result.stderr.strip().endswith("NO-TORCH"), result.stderr
+    assert result.stderr.strip().endswith("NO-TORCH\nNO-PSUTIL"), result.stderr

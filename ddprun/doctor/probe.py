@@ -1,21 +1,18 @@
 """Gathering the facts the checks judge. The side effects of the doctor live here.
 
-torch is imported inside probe_torch() only. Parsers of system files and command output are
-pure functions next to the probe that feeds them.
+torch is imported inside probe_torch() only, psutil (memory, interfaces) inside the probes
+that use it. What shapes a probe's raw answer is a pure function next to the probe.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import shutil
 import socket
-import struct
-import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping, Sequence
 
 from ddprun import devices, portinfo
 from ddprun.doctor.checks import DEFAULT_PORT, TorchGpu
@@ -122,27 +119,17 @@ def probe_system() -> SystemFacts:
     )
 
 
-def parse_meminfo(text: str) -> tuple[int | None, int | None]:
-    """(MemTotal, MemAvailable) in bytes from the text of /proc/meminfo."""
-    values: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            values[key.strip()] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    return values.get("MemTotal"), values.get("MemAvailable")
-
-
 def read_memory() -> tuple[int | None, int | None]:
+    """(total, available) bytes of RAM; (None, None) where psutil cannot tell."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            return parse_meminfo(f.read())
-    except OSError:
-        pass
-    try:  # not Linux: total only
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), None
-    except (ValueError, OSError, AttributeError):
+        import psutil
+    except ImportError:
         return None, None
+    try:
+        memory = psutil.virtual_memory()
+    except (psutil.Error, OSError, RuntimeError):  # RuntimeError: a platform psutil does not support
+        return None, None
+    return memory.total, memory.available
 
 
 def _statvfs(path: str) -> tuple[int | None, int | None]:
@@ -295,34 +282,28 @@ def resolve(host: str, *, timeout_s: float = RESOLVE_TIMEOUT_S) -> tuple[tuple[s
 
 
 def read_interfaces() -> dict[str, tuple[str, ...]]:
-    """Interface name -> addresses, in the system's order; from `ip -o addr`, else /proc and ioctl."""
-    names = _interface_names()
-    text = _run_ip()
-    addresses = parse_ip_addr(text) if text is not None else _addresses_without_ip(names)
-    ordered = {name: tuple(addresses.get(name, ())) for name in names}
-    ordered.update({name: tuple(addrs) for name, addrs in addresses.items() if name not in ordered})
-    return ordered
+    """Interface name -> IPv4 and IPv6 addresses, in the system's interface order."""
+    try:
+        import psutil
+
+        addresses = psutil.net_if_addrs()
+    except (ImportError, OSError, RuntimeError):
+        addresses = {}
+    return interface_addresses(addresses, order=_interface_names())
 
 
-def parse_ip_addr(text: str) -> dict[str, list[str]]:
-    """Addresses per interface from `ip -o addr` output ("4: eth0    inet 10.0.0.2/24 brd ...")."""
-    found: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) >= 4 and fields[2] in ("inet", "inet6"):
-            name = fields[1].split("@")[0]  # "eth0@if12" in containers
-            found.setdefault(name, []).append(fields[3].split("/")[0])
-    return found
+def interface_addresses(
+    addresses: Mapping[str, Sequence[Any]], *, order: Sequence[str]
+) -> dict[str, tuple[str, ...]]:
+    """Shape psutil.net_if_addrs() (name -> entries with family and address) for the checks.
 
-
-def parse_if_inet6(text: str) -> dict[str, list[str]]:
-    """IPv6 addresses per interface from /proc/net/if_inet6 (32 hex digits, index, ..., name)."""
-    found: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) == 6 and len(fields[0]) == 32:
-            packed = bytes.fromhex(fields[0])
-            found.setdefault(fields[5], []).append(socket.inet_ntop(socket.AF_INET6, packed))
+    Only IPv4 and IPv6 addresses count; a link-local IPv6 address loses its "%eth0" zone, as
+    `ip addr` prints it. Interfaces come in `order` (the kernel's index order), the rest after.
+    """
+    found: dict[str, tuple[str, ...]] = {name: () for name in order}
+    for name, entries in addresses.items():
+        ips = [entry.address.split("%")[0] for entry in entries if entry.family in (socket.AF_INET, socket.AF_INET6)]
+        found[name] = tuple(dict.fromkeys(ips))
     return found
 
 
@@ -331,41 +312,3 @@ def _interface_names() -> list[str]:
         return [name for _, name in sorted(socket.if_nameindex())]
     except (OSError, AttributeError):
         return []
-
-
-def _run_ip() -> str | None:
-    executable = shutil.which("ip")
-    if executable is None:
-        return None
-    try:
-        done = subprocess.run([executable, "-o", "addr"], capture_output=True, text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout if done.returncode == 0 else None
-
-
-def _addresses_without_ip(names: list[str]) -> dict[str, list[str]]:
-    found: dict[str, list[str]] = {}
-    for name in names:
-        ipv4 = _ipv4_address(name)
-        if ipv4:
-            found[name] = [ipv4]
-    try:
-        with open("/proc/net/if_inet6", encoding="ascii") as f:
-            for name, addrs in parse_if_inet6(f.read()).items():
-                found.setdefault(name, []).extend(addrs)
-    except OSError:
-        pass
-    return found
-
-
-def _ipv4_address(name: str) -> str | None:
-    try:
-        import fcntl
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            request = struct.pack("256s", name[:15].encode())
-            answer = fcntl.ioctl(sock.fileno(), 0x8915, request)  # SIOCGIFADDR
-        return socket.inet_ntoa(answer[20:24])
-    except (ImportError, OSError):
-        return None
