@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import uuid
 from typing import Annotated, List, Optional
 
@@ -16,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ddprun import cluster, devices, preflight
+from ddprun import cluster, devices, preflight, runfolders
 from ddprun.errors import DdprunError, UsageError
 from ddprun.plan import DEFAULT_GRACE_PERIOD_S, Entrypoint, LaunchOptions, LaunchPlan, build_plan
 
@@ -44,7 +43,8 @@ Master = Annotated[Optional[str], typer.Option("--master", metavar="HOST:PORT", 
 RdzvEndpoint = Annotated[Optional[str], typer.Option("--rdzv-endpoint", metavar="HOST:PORT", help="HOST:PORT of the c10d store, for an elastic job.", show_default=False)]
 RdzvId = Annotated[Optional[str], typer.Option("--rdzv-id", metavar="ID", help="Rendezvous id shared by all nodes of a job. Default: unique per job.", show_default=False)]
 MaxRestarts = Annotated[str, typer.Option("--max-restarts", metavar="N", envvar="DDPRUN_MAX_RESTARTS", help="Restart the workers up to N times when one fails.")]
-LogDir = Annotated[Optional[str], typer.Option("--log-dir", metavar="DIR", envvar="DDPRUN_LOG_DIR", help="Keep every rank's stdout and stderr here. Default: a folder per job under the temp dir.", show_default=False)]
+LogDir = Annotated[Optional[str], typer.Option("--log-dir", metavar="DIR", envvar="DDPRUN_LOG_DIR", help="Keep every rank's stdout and stderr in DIR/<job id>/, a new private folder per job. Default: DIR is your private ddprun folder ($XDG_RUNTIME_DIR/ddprun, else <temp dir>/ddprun-<uid>). The newest --keep-logs job folders stay in DIR; ddprun deletes only its own older job folders. The flag wins over DDPRUN_LOG_DIR.", show_default=False)]
+KeepLogs = Annotated[str, typer.Option("--keep-logs", metavar="N", envvar="DDPRUN_KEEP_LOGS", help="Job folders ddprun keeps in the log folder, this job's included; older ones it made are deleted (0: keep all). The flag wins over DDPRUN_KEEP_LOGS.")]
 Ranks = Annotated[Optional[str], typer.Option("--ranks", metavar="RANKS", help="Global ranks whose output reaches the console, e.g. 0,3 (the log files keep all).", show_default=False)]
 GracePeriod = Annotated[str, typer.Option("--grace-period", metavar="SECONDS", envvar="DDPRUN_GRACE_PERIOD", help="Seconds the workers get to exit after Ctrl-C or SIGTERM before they are killed.")]
 JoinTimeout = Annotated[Optional[str], typer.Option("--join-timeout", metavar="SECONDS", help="Seconds to wait for all nodes to join before failing. Default: torch's 600.", show_default=False)]
@@ -70,6 +70,7 @@ def _launch_options(entrypoint: Entrypoint, flags: dict) -> LaunchOptions:
         ),
         max_restarts=preflight.parse_int(flags["max_restarts"], flag="--max-restarts", example="2"),
         log_dir=preflight.check_log_dir(flags["log_dir"]),
+        keep_logs=preflight.parse_int(flags["keep_logs"], flag="--keep-logs", example="100"),
         ranks=preflight.parse_ranks(flags["ranks"]),
         grace_period_s=preflight.parse_seconds(flags["grace_period"], flag="--grace-period"),
         join_timeout_s=preflight.parse_seconds(flags["join_timeout"], flag="--join-timeout"),
@@ -84,7 +85,7 @@ def _plan(options: LaunchOptions) -> LaunchPlan:
         inventory=[] if options.cpu else devices.read_inventory(),
         cpu_count=os.cpu_count() or 1,
         job_id=f"ddprun-{uuid.uuid4().hex[:12]}",
-        log_root=os.path.join(tempfile.gettempdir(), "ddprun"),
+        log_root=runfolders.default_root(),  # a path only: it is made at launch, never on --dry-run
     )
 
 
@@ -96,6 +97,7 @@ def _launch_or_print(plan: LaunchPlan, *, dry_run: bool, as_json: bool) -> int:
         return 0
     from ddprun import launch, panels
 
+    runfolders.make_job_folder(plan.log_dir, private_root=plan.private_log_root, keep=plan.keep_logs)
     code = launch.execute(plan, console=stderr, announce=lambda: stderr.print(panels.render_plan(plan)))
     # The job is over and reported. Tearing down an interpreter that imported torch takes
     # over half a second and has nothing left to do: leave at once.
@@ -126,7 +128,7 @@ def run(
     gpus: Gpus = None, cpu: Cpu = False, nproc: Nproc = None, port: Port = None,
     nnodes: Nnodes = None, node_rank: NodeRank = None, master: Master = None,
     rdzv_endpoint: RdzvEndpoint = None, rdzv_id: RdzvId = None,
-    max_restarts: MaxRestarts = "0", log_dir: LogDir = None, ranks: Ranks = None,
+    max_restarts: MaxRestarts = "0", log_dir: LogDir = None, keep_logs: KeepLogs = str(runfolders.DEFAULT_KEEP), ranks: Ranks = None,
     grace_period: GracePeriod = f"{DEFAULT_GRACE_PERIOD_S:g}", join_timeout: JoinTimeout = None, forward_signal: ForwardSignal = None,
     dry_run: DryRun = False, as_json: AsJson = False,
 ) -> None:
@@ -151,7 +153,7 @@ def train(
     gpus: Gpus = None, cpu: Cpu = False, nproc: Nproc = None, port: Port = None,
     nnodes: Nnodes = None, node_rank: NodeRank = None, master: Master = None,
     rdzv_endpoint: RdzvEndpoint = None, rdzv_id: RdzvId = None,
-    max_restarts: MaxRestarts = "0", log_dir: LogDir = None, ranks: Ranks = None,
+    max_restarts: MaxRestarts = "0", log_dir: LogDir = None, keep_logs: KeepLogs = str(runfolders.DEFAULT_KEEP), ranks: Ranks = None,
     grace_period: GracePeriod = f"{DEFAULT_GRACE_PERIOD_S:g}", join_timeout: JoinTimeout = None, forward_signal: ForwardSignal = None,
     dry_run: DryRun = False, as_json: AsJson = False,
 ) -> None:

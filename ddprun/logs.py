@@ -2,14 +2,14 @@
 
 torch elastic asks a `LogsSpecs` for every (re)start of the workers, passing each local
 rank's environment (which holds its global RANK). Every rank's stdout and stderr always go
-to files under `<log_dir>/attempt_<n>/`; the console gets the ranks the user asked for,
+to files under `<log_dir>/attempt_<n>/`, created fresh and private (0700 folder, 0600 files)
+inside the job's own folder (see runfolders); the console gets the ranks the user asked for,
 one whole line at a time, prefixed with `[rank G]` by torch's tailer.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +17,7 @@ from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
+from ddprun import runfolders
 from ddprun.envnames import PID_FILE_ENV
 
 LINE_PREFIX_TEMPLATE = "[rank ${rank}] "
@@ -64,9 +65,8 @@ class RankLogsSpecs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         number = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._on_attempt(number, envs)
-        attempt = Attempt(number, Path(self.root_log_dir) / f"attempt_{number}")
-        shutil.rmtree(attempt.directory, ignore_errors=True)  # a reused --log-dir must not mix runs
-        attempt.directory.mkdir(parents=True)
+        attempt = Attempt(number, Path(self.root_log_dir) / self._folder_name(number))
+        runfolders.make_private_dir(str(attempt.directory))  # new, inside the job's own new folder
         dest = LogsDest()
         for local_rank, env in envs.items():
             rank = int(env["RANK"])
@@ -74,6 +74,10 @@ class RankLogsSpecs(LogsSpecs):
             dest.stdouts[local_rank] = str(attempt.stdout_log(rank))
             dest.stderrs[local_rank] = str(attempt.stderr_log(rank))
             dest.error_files[local_rank] = str(attempt.error_file(rank))
+            # torch opens stdout/stderr itself with "w", which keeps the mode of an existing file.
+            # Error files are not made ahead: torch reads any error file it finds as JSON.
+            for path in (attempt.stdout_log(rank), attempt.stderr_log(rank), attempt.pid_file(rank)):
+                runfolders.make_private_file(str(path))
             env["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
             env[PID_FILE_ENV] = str(attempt.pid_file(rank))
             if self._console_ranks is None or rank in self._console_ranks:
@@ -83,6 +87,12 @@ class RankLogsSpecs(LogsSpecs):
         dest.filtered_stderr = os.devnull
         self.attempts.append(attempt)
         return dest
+
+    def _folder_name(self, number: int) -> str:
+        # An elastic membership change restarts the workers without counting a restart, so a
+        # number can come again; each start still gets a folder of its own.
+        again = sum(1 for a in self.attempts if a.number == number)
+        return f"attempt_{number}" + (f".{again + 1}" if again else "")
 
     @property
     def current(self) -> Attempt | None:

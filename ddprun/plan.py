@@ -11,7 +11,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
-from ddprun import cluster, devices
+from ddprun import cluster, devices, runfolders
 from ddprun.errors import UsageError
 
 LOOPBACK = "127.0.0.1"
@@ -51,6 +51,7 @@ class LaunchOptions:
     cluster: cluster.ClusterFlags = field(default_factory=cluster.ClusterFlags)
     max_restarts: int = 0
     log_dir: str | None = None
+    keep_logs: int = runfolders.DEFAULT_KEEP
     ranks: tuple[int, ...] | None = None
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     join_timeout_s: float | None = None
@@ -73,7 +74,9 @@ class LaunchPlan:
     # Who serves the rendezvous store: "host" (ddprun binds and holds it: one node, or node 0 of
     # a fixed set), "auto" (c10d: the node whose address the endpoint names), or "client".
     store_role: str
-    log_dir: str
+    log_dir: str  # <root>/<job id>: a folder made fresh at launch
+    private_log_root: bool  # root is ddprun's per-user root (strict checks), not the user's --log-dir
+    keep_logs: int  # job folders kept in root, this one included; 0 keeps all
     ranks: list[int] | None
     grace_period_s: float
     join_timeout_s: float
@@ -131,7 +134,9 @@ def build_plan(
         rdzv_id=rdzv_id,
         endpoint=endpoint,
         store_role=_store_role(spec),
-        log_dir=options.log_dir or f"{log_root.rstrip('/')}/{job_id}",
+        log_dir=f"{(options.log_dir or log_root).rstrip('/')}/{job_id}",  # never the user's folder itself
+        private_log_root=options.log_dir is None,
+        keep_logs=options.keep_logs,
         ranks=ranks,
         grace_period_s=options.grace_period_s,
         join_timeout_s=options.join_timeout_s or DEFAULT_JOIN_TIMEOUT_S,
@@ -148,6 +153,8 @@ def _check_generic_options(options: LaunchOptions) -> None:
         raise UsageError("--cpu and --gpus exclude each other: use --cpu for CPU processes on gloo, or --gpus for GPUs on nccl")
     if options.max_restarts < 0:
         raise UsageError(f"--max-restarts {options.max_restarts}: must be 0 or more, e.g. --max-restarts 2")
+    if options.keep_logs < 0:
+        raise UsageError(f"--keep-logs {options.keep_logs}: must be 0 (keep all) or more, e.g. --keep-logs 100")
     if options.grace_period_s < 0:
         raise UsageError(f"--grace-period {options.grace_period_s:g}: must be 0 or more seconds, e.g. --grace-period 10")
     if options.join_timeout_s is not None and options.join_timeout_s <= 0:
