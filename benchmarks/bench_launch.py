@@ -61,8 +61,10 @@ def commands(job: str) -> tuple[dict, dict]:
 
 
 def job_env(scratch: str) -> dict[str, str]:
-    # TMPDIR keeps both launchers' per-job folders (ddprun's logs, torchelastic_*) in scratch.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "STAMPS": os.path.join(scratch, "stamps.jsonl"), "TMPDIR": scratch}
+    # TMPDIR keeps both launchers' per-job folders (ddprun's logs, torchelastic_*) in scratch;
+    # without XDG_RUNTIME_DIR, ddprun's per-user log folder is TMPDIR/ddprun-<uid>.
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    return {**env, "OMP_NUM_THREADS": "1", "STAMPS": os.path.join(scratch, "stamps.jsonl"), "TMPDIR": scratch}
 
 
 def rows(samples: dict[str, list[float]], *, pairs: list[tuple[str, str, float]]) -> list[dict]:

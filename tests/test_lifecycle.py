@@ -84,6 +84,13 @@ def test_a_second_ctrl_c_kills_at_once(cpu_env, tmp_path):
     assert wait_gone(pids, timeout=3) == []
 
 
+def attempt_dir(logs: Path, number: int = 0) -> Path:
+    """`--log-dir DIR` keeps a job's files in DIR/<job id>/attempt_N (one job per DIR here)."""
+    jobs = list(logs.glob("ddprun-*"))
+    assert len(jobs) <= 1, jobs
+    return (jobs[0] if jobs else logs / "ddprun-not-yet") / f"attempt_{number}"
+
+
 def report(cpu_env, tmp_path, mode: str, *extra: str) -> subprocess.CompletedProcess:
     return run_ddprun(["run", "--log-dir", str(tmp_path / "logs"), *extra, SCRIPT], env=dict(cpu_env, MODE=mode))
 
@@ -114,7 +121,7 @@ def test_report_for_a_rank_killed_by_sigkill_suggests_the_oom_killer(cpu_env, tm
 def test_log_dir_keeps_every_rank_and_ranks_limits_the_console(cpu_env, tmp_path):
     result = report(cpu_env, tmp_path, "ok", "--ranks", "1")
     assert result.returncode == 0, result.stderr
-    attempt = tmp_path / "logs" / "attempt_0"
+    attempt = attempt_dir(tmp_path / "logs")
     for rank in (0, 1):
         assert f"stdout line from rank {rank}" in (attempt / f"rank_{rank}.stdout.log").read_text()
         assert f"stderr line from rank {rank}" in (attempt / f"rank_{rank}.stderr.log").read_text()
@@ -126,7 +133,7 @@ def test_restart_after_a_killed_worker_completes_the_job_and_says_why(cpu_env, t
     result = report(cpu_env, tmp_path, "die_once", "--max-restarts", "1")
     assert result.returncode == 0, result.stderr
     assert "restart 1/1: rank 1 was killed by SIGKILL" in result.stderr
-    assert (tmp_path / "logs" / "attempt_1" / "rank_1.stdout.log").exists()
+    assert (attempt_dir(tmp_path / "logs", 1) / "rank_1.stdout.log").exists()
     assert (tmp_path / "out" / "pid1.1").exists()
 
 
@@ -148,11 +155,10 @@ def test_a_rank_stuck_in_training_becomes_an_error_naming_it(cpu_env, tmp_path):
                             "--collective-timeout", "5", "--log-interval", "0.2"],
         env=cpu_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
-    attempt = logs / "attempt_0"
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and " loss " not in _read(attempt / "rank_0.stderr.log"):
+    while time.monotonic() < deadline and " loss " not in _read(attempt_dir(logs) / "rank_0.stderr.log"):
         time.sleep(0.1)
-    os.kill(int((attempt / "rank_1.pid").read_text()), signal.SIGSTOP)
+    os.kill(int((attempt_dir(logs) / "rank_1.pid").read_text()), signal.SIGSTOP)
     _, err = job.communicate(timeout=120)
     assert job.returncode != 0
     assert "rank 1 did not answer" in err, err[-2000:]
