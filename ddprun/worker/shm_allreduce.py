@@ -5,14 +5,20 @@ sides, socket wake-ups and gloo's own threads, all paid by the cores that are co
 backward pass. Ranks on one host can average in shared memory instead:
 
   1. each rank writes its bucket, divided by the world size, into its own slot;
-  2. the ranks wait for each other (each rank has a FIFO that the others write a wake-up to);
+  2. the ranks wait for each other (each rank has a pipe that the others write a wake-up to);
   3. rank r sums the r-th 1/W of every slot into a result region that all ranks map;
   4. they wait again: the result region holds the mean, and DDP copies it into .grad as usual.
 
 Every part of the result is summed by exactly one rank in rank order, so all replicas read the
 same bits. The hook is synchronous: on CPU both cores already compute, so there is nothing for
-an asynchronous all-reduce to overlap with (BENCHMARKS.md measures it). The files are unlinked
-as soon as every rank has mapped them: nothing stays in /dev/shm, even after kill -9.
+an asynchronous all-reduce to overlap with (BENCHMARKS.md measures it).
+
+Nothing has a name: slots and the result are memfds and the wake-ups anonymous pipes, which the
+peers open through /proc/<owner pid>/fd/<fd> (the kernel allows that to the same user, as for
+ptrace reads). The memory goes away with the last process that maps it, whenever any rank or the
+launcher is killed. Where a peer's /proc/<pid>/fd cannot be opened (a rank made non-dumpable),
+the group falls back to 0600 files and FIFOs in /dev/shm, unlinked once every rank has opened
+them: only a kill in those few milliseconds can leave them behind.
 """
 
 from __future__ import annotations
@@ -23,16 +29,20 @@ import secrets
 import select
 import sys
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # bytes: buckets and ranks' shares start on their own cache line
 _MESSAGE = 2  # bytes per wake-up: the sender's rank (writes up to PIPE_BUF are atomic)
+_MIB = 2**20
 
 # exchange(value) -> every rank's value, in rank order; a collective, like dist.all_gather_object.
 Exchange = Callable[[Any], list]
+# What a rank publishes of each object it created: the path a peer opens, and the (st_dev, st_ino)
+# the peer must find there (a pid reused by another process of the same user holds other files).
+Address = tuple[str, int, int]
 
 
 class SharedMemoryUnavailable(Exception):
@@ -40,7 +50,7 @@ class SharedMemoryUnavailable(Exception):
 
 
 class ShmAllreduce:
-    """The shared state of one group of ranks: slots, result region, wake-up FIFOs."""
+    """The shared state of one group of ranks: slots, result region, wake-up pipes."""
 
     def __init__(self, *, rank: int, world_size: int, slots: Sequence[torch.Tensor], result: torch.Tensor,
                  wake_fd: int, peer_fds: dict[int, int], timeout_s: float) -> None:
@@ -58,15 +68,24 @@ class ShmAllreduce:
     def create(cls, *, rank: int, world_size: int, capacity: int, exchange: Exchange, timeout_s: float,
                directory: str = SHM_DIR) -> "ShmAllreduce":
         """Collective: every rank calls it with the same `capacity` (see `capacity_for`).
-        Returns on every rank or raises SharedMemoryUnavailable on every rank."""
+        Returns on every rank or raises SharedMemoryUnavailable on every rank. `directory` holds the
+        named files of the fallback, used only where the nameless setup fails."""
         if world_size < 2:
             raise SharedMemoryUnavailable("one process has nothing to all-reduce")
-        token = exchange(secrets.token_hex(6) if rank == 0 else None)[0]
-        files = _Files(directory, token, rank=rank, world_size=world_size)
+        settings = dict(rank=rank, world_size=world_size, capacity=capacity, exchange=exchange, timeout_s=timeout_s)
         try:
-            _agree(exchange, _attempt(lambda: files.make(capacity)), "set up")
+            return cls._set_up(_Nameless(), **settings)
+        except SharedMemoryUnavailable:  # every rank alike, so every rank tries the files
+            return cls._set_up(_Named(directory), **settings)
+
+    @classmethod
+    def _set_up(cls, objects: "_Nameless | _Named", *, rank: int, world_size: int, capacity: int,
+                exchange: Exchange, timeout_s: float) -> "ShmAllreduce":
+        try:
+            made = _attempt(lambda: objects.make(rank=rank, world_size=world_size, capacity=capacity))
+            addresses = _agree(exchange, made, "set up")
             state = _attempt(lambda: cls(rank=rank, world_size=world_size, timeout_s=timeout_s,
-                                         **files.open_all(capacity)))
+                                         **_open_all(addresses, rank=rank, capacity=capacity)))
             try:
                 _agree(exchange, state, "reach")
             except SharedMemoryUnavailable:
@@ -74,7 +93,7 @@ class ShmAllreduce:
                     state.close()
                 raise
         finally:
-            files.unlink_own()  # every rank has opened them, or the setup is abandoned
+            objects.release()  # every rank has opened them, or the setup is abandoned
         return state
 
     def mean(self, bucket: torch.Tensor, *, first: bool) -> torch.Tensor:
@@ -150,33 +169,59 @@ def shm_allreduce_hook(state: ShmAllreduce, bucket):  # bucket unannotated: DDP 
     return future
 
 
-class _Files:
-    """The files of one group in `directory`: a slot and a wake-up FIFO per rank, one result region."""
+class _Nameless:
+    """One rank's objects as memfds and a pipe, reached through /proc/<pid>/fd: no name anywhere."""
 
-    def __init__(self, directory: str, token: str, *, rank: int, world_size: int) -> None:
-        self.directory, self.rank, self.world_size = directory, rank, world_size
-        self.prefix = os.path.join(directory, f"ddprun-{token}-")
-        self.created: list[str] = []
+    def __init__(self) -> None:
+        self.fds: list[int] = []
 
-    def slot(self, rank: int) -> str:
-        return f"{self.prefix}rank{rank}.grad"
+    def make(self, *, rank: int, world_size: int, capacity: int) -> dict[str, Address]:
+        _check_memory(capacity=capacity, world_size=world_size)
+        made = {"slot": self._memory(f"ddprun-rank{rank}.grad", capacity)}
+        if rank == 0:
+            made["result"] = self._memory("ddprun-result.grad", capacity)
+        read_end, write_end = os.pipe()  # the write end only keeps the pipe whole until peers open it
+        self.fds += [read_end, write_end]
+        made["wake"] = self._address(read_end)
+        return made
 
-    def fifo(self, rank: int) -> str:
-        return f"{self.prefix}rank{rank}.wake"
+    def _memory(self, name: str, capacity: int) -> Address:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.fds.append(fd)
+        os.fchmod(fd, 0o600)  # a memfd starts 0777; /proc access already needs the same user
+        os.posix_fallocate(fd, 0, capacity)  # pages charged now, not as SIGBUS mid-step
+        return self._address(fd)
 
-    @property
-    def result(self) -> str:
-        return f"{self.prefix}result.grad"
+    def _address(self, fd: int) -> Address:
+        info = os.fstat(fd)
+        return f"/proc/{os.getpid()}/fd/{fd}", info.st_dev, info.st_ino
 
-    def make(self, capacity: int) -> None:
+    def release(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+class _Named:
+    """One rank's objects as 0600 files and a FIFO in `directory`, unlinked once every rank opened them."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.created = directory, []
+
+    def make(self, *, rank: int, world_size: int, capacity: int) -> dict[str, Address]:
         if not os.path.isdir(self.directory):
             raise OSError(errno.ENOENT, f"{self.directory} does not exist")
-        for path in [self.slot(self.rank)] + ([self.result] if self.rank == 0 else []):
-            self._reserve(path, capacity)
-        os.mkfifo(self.fifo(self.rank), 0o600)
-        self.created.append(self.fifo(self.rank))
+        _check_memory(capacity=capacity, world_size=world_size)  # tmpfs pages are memory too
+        prefix = os.path.join(self.directory, f"ddprun-{secrets.token_hex(6)}-")
+        made = {"slot": self._reserve(f"{prefix}rank{rank}.grad", capacity)}
+        if rank == 0:
+            made["result"] = self._reserve(f"{prefix}result.grad", capacity)
+        os.mkfifo(f"{prefix}rank{rank}.wake", 0o600)
+        self.created.append(f"{prefix}rank{rank}.wake")
+        made["wake"] = _address_of(f"{prefix}rank{rank}.wake")
+        return made
 
-    def _reserve(self, path: str, capacity: int) -> None:
+    def _reserve(self, path: str, capacity: int) -> Address:
         """Create and fully allocate `path` now, so a full tmpfs fails here and not as SIGBUS mid-step."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.created.append(path)
@@ -185,21 +230,14 @@ class _Files:
         except OSError as error:
             if error.errno == errno.ENOSPC:
                 free = os.statvfs(self.directory)
-                raise OSError(errno.ENOSPC, f"{self.directory} has {free.f_bavail * free.f_frsize / 2**20:.0f} MiB "
-                                            f"free; each rank needs {capacity / 2**20:.0f} MiB") from None
+                raise OSError(errno.ENOSPC, f"{self.directory} has {free.f_bavail * free.f_frsize / _MIB:.0f} MiB "
+                                            f"free; each rank needs {capacity / _MIB:.0f} MiB") from None
             raise
         finally:
             os.close(fd)
+        return _address_of(path)
 
-    def open_all(self, capacity: int) -> dict:
-        """ShmAllreduce's slots, result, wake_fd and peer_fds."""
-        slots = [_map(self.slot(r), capacity) for r in range(self.world_size)]
-        result = _map(self.result, capacity)
-        wake_fd = os.open(self.fifo(self.rank), os.O_RDWR | os.O_NONBLOCK)  # RDWR: never EOF, never blocks
-        peer_fds = {r: os.open(self.fifo(r), os.O_RDWR) for r in range(self.world_size) if r != self.rank}
-        return dict(slots=slots, result=result, wake_fd=wake_fd, peer_fds=peer_fds)
-
-    def unlink_own(self) -> None:
+    def release(self) -> None:
         for path in self.created:
             try:
                 os.unlink(path)
@@ -208,8 +246,114 @@ class _Files:
         self.created = []
 
 
-def _map(path: str, nbytes: int) -> torch.Tensor:
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+def _address_of(path: str) -> Address:
+    info = os.stat(path)
+    return path, info.st_dev, info.st_ino
+
+
+def _open_all(addresses: list[dict[str, Address]], *, rank: int, capacity: int) -> dict:
+    """ShmAllreduce's slots, result, wake_fd and peer_fds, from every rank's published addresses."""
+    slots = [_map(made["slot"], capacity) for made in addresses]
+    result = _map(addresses[0]["result"], capacity)
+    wake_fd = _open(addresses[rank]["wake"], os.O_RDWR | os.O_NONBLOCK)  # RDWR: never EOF, never blocks
+    peer_fds = {r: _open(made["wake"], os.O_RDWR) for r, made in enumerate(addresses) if r != rank}
+    return dict(slots=slots, result=result, wake_fd=wake_fd, peer_fds=peer_fds)
+
+
+def _open(address: Address, flags: int) -> int:
+    """An fd of the object at `address`; refuses another object found at the same path."""
+    path, device, inode = address
+    fd = os.open(path, flags)
+    info = os.fstat(fd)
+    if (info.st_dev, info.st_ino) != (device, inode):
+        os.close(fd)
+        raise OSError(errno.ESTALE, f"{path} is no longer the object its owner created")
+    return fd
+
+
+def _map(address: Address, nbytes: int) -> torch.Tensor:
+    fd = _open(address, os.O_RDWR)
+    try:
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+    finally:
+        os.close(fd)  # the mapping keeps the memory
+
+
+def _check_memory(*, capacity: int, world_size: int) -> None:
+    """The group's slots and result must fit in the memory left to this job: memfd and tmpfs pages are
+    shared memory, charged to the memory cgroup and the host, where exceeding them means an OOM kill.
+    Every rank checks the whole group's need, before its own allocation, so none is counted twice."""
+    need, room = capacity * (world_size + 1), memory_headroom()
+    if room is not None and need > room:
+        raise OSError(errno.ENOMEM, f"the group needs {need / _MIB:.0f} MiB of shared memory "
+                                    f"({world_size + 1} x {capacity / _MIB:.0f} MiB) and this job has "
+                                    f"{room / _MIB:.0f} MiB of memory left")
+
+
+def memory_headroom() -> Optional[int]:
+    """Bytes this process can still fill: the host's MemAvailable, lowered by any memory cgroup limit
+    on the way to the root (v2 or v1); None where neither can be read."""
+    rooms = [_meminfo_available()] + [_cgroup_room(directory, **names) for directory, names in _memory_cgroups()]
+    known = [room for room in rooms if room is not None]
+    return min(known) if known else None
+
+
+def cgroup_room(*, limit: str, usage: str, stat_text: str, inactive_key: str) -> Optional[int]:
+    """A memory cgroup's limit minus its working set (usage less inactive page cache, which the kernel
+    reclaims first: kubelet's measure); None without a limit."""
+    limit = limit.strip()
+    if limit == "max" or int(limit) >= 1 << 62:  # v1 writes "no limit" as a huge number
+        return None
+    inactive = next((int(line.split()[1]) for line in stat_text.splitlines()
+                     if line.split()[:1] == [inactive_key]), 0)
+    return int(limit) - max(0, int(usage) - inactive)
+
+
+_CGROUP_FILES = {  # limit, usage, the stat line of inactive page cache
+    "v2": dict(limit="memory.max", usage="memory.current", inactive_key="inactive_file"),
+    "v1": dict(limit="memory.limit_in_bytes", usage="memory.usage_in_bytes", inactive_key="total_inactive_file"),
+}
+
+
+def _memory_cgroups(root: str = "/sys/fs/cgroup") -> list[tuple[str, dict]]:
+    """This process's memory cgroup directories, leaf to root, each with its file names."""
+    found = []
+    for line in _read("/proc/self/cgroup").splitlines():
+        number, controllers, path = line.split(":", 2)
+        if number == "0" and controllers == "":
+            base, names = root, _CGROUP_FILES["v2"]
+        elif "memory" in controllers.split(","):
+            base, names = os.path.join(root, "memory"), _CGROUP_FILES["v1"]
+        else:
+            continue
+        parts = [part for part in path.split("/") if part]
+        found += [(os.path.join(base, *parts[:depth]), names) for depth in range(len(parts), -1, -1)]
+    return found
+
+
+def _cgroup_room(directory: str, *, limit: str, usage: str, inactive_key: str) -> Optional[int]:
+    texts = [_read(os.path.join(directory, name)) for name in (limit, usage, "memory.stat")]
+    if not texts[0] or not texts[1]:
+        return None
+    try:
+        return cgroup_room(limit=texts[0], usage=texts[1], stat_text=texts[2], inactive_key=inactive_key)
+    except ValueError:
+        return None
+
+
+def _meminfo_available() -> Optional[int]:
+    for line in _read("/proc/meminfo").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as file:
+            return file.read()
+    except OSError:
+        return ""
 
 
 def _aligned(offset: int) -> int:
@@ -222,12 +366,16 @@ def _attempt(work: Callable[[], Any]) -> Any:
         return work()
     except OSError as error:
         return error.strerror if error.filename is None and error.strerror else str(error)
+    except RuntimeError as error:  # torch.from_file's mmap
+        return str(error)
 
 
-def _agree(exchange: Exchange, outcome: Any, what: str) -> None:
-    """Every rank learns whether any rank failed; each then raises the same SharedMemoryUnavailable."""
-    failures = [(rank, reason) for rank, reason in enumerate(exchange(outcome if isinstance(outcome, str) else None))
-                if reason is not None]
+def _agree(exchange: Exchange, outcome: Any, what: str) -> list:
+    """Every rank learns whether any rank failed; each then raises the same SharedMemoryUnavailable.
+    Returns every rank's outcome where none failed."""
+    outcomes = exchange(outcome if not isinstance(outcome, ShmAllreduce) else None)
+    failures = [(rank, reason) for rank, reason in enumerate(outcomes) if isinstance(reason, str)]
     if failures:
         rank, reason = failures[0]
         raise SharedMemoryUnavailable(f"rank {rank} could not {what} shared memory: {reason}")
+    return outcomes
