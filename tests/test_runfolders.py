@@ -9,6 +9,8 @@ import pwd
 import shutil
 import stat
 import subprocess
+import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -41,6 +43,22 @@ def as_nobody_prefix() -> list[str]:
         pytest.skip("setpriv (util-linux) is not installed")
     nobody()
     return ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups"]
+
+
+def nobody_ddprun(prefix: list[str], env: dict) -> tuple[list[str], dict]:
+    """`ddprun` as `nobody`, with an interpreter nobody can start again (ddprun and torch start
+    sys.executable): this one, or the system's of the same version when this one lives in a
+    folder nobody cannot enter (a venv over ~root/.pyenv), with this venv's packages on the path."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    paths = os.pathsep.join([sysconfig.get_paths()["purelib"], str(Path(runfolders.__file__).parents[1])])
+    probe = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import torch, ddprun'], check=True)"
+    for python in dict.fromkeys([sys.executable, f"/usr/bin/{version}", shutil.which(version) or ""]):
+        if not python:
+            continue
+        candidate = dict(env, PYTHONPATH=paths)
+        if subprocess.run(prefix + [python, "-c", probe], env=candidate, capture_output=True).returncode == 0:
+            return prefix + [python, "-m", "ddprun"], candidate
+    pytest.skip(f"no {version} interpreter that the user nobody can run with this environment's packages")
 
 
 def job_env(cpu_env: dict, tmp: Path) -> dict:
@@ -239,9 +257,9 @@ def test_a_log_dir_the_user_cannot_write_exits_2(cpu_env, tmp_path):
     shared = Path(tempfile.mkdtemp(prefix="ddprun-test-ro-"))
     try:
         shared.chmod(0o755)  # root's, readable by nobody, not writable
-        env = dict(cpu_env, HOME=str(shared))
+        command, env = nobody_ddprun(prefix, dict(cpu_env, HOME=str(shared)))
         result = subprocess.run(
-            prefix + ddprun_command() + ["run", "--log-dir", str(shared / "logs"), SCRIPT],
+            command + ["run", "--log-dir", str(shared / "logs"), SCRIPT],
             env=env, cwd=shared, capture_output=True, text=True, timeout=60,
         )
         assert result.returncode == 2, result.stderr
@@ -297,9 +315,9 @@ def test_a_second_user_launches_beside_root_and_cannot_read_roots_logs(cpu_env):
         assert peek.returncode != 0 and "Permission denied" in peek.stderr
 
         out = shared / "out-nobody"
+        command, nobody_env = nobody_ddprun(prefix, dict(env, OUT_DIR=str(out)))
         second = subprocess.run(
-            prefix + ddprun_command() + ["run", "--cpu", SCRIPT], env=dict(env, OUT_DIR=str(out)),
-            cwd=shared, capture_output=True, text=True, timeout=120,
+            command + ["run", "--cpu", SCRIPT], env=nobody_env, cwd=shared, capture_output=True, text=True, timeout=120,
         )
         assert second.returncode == 0, second.stderr
         assert "Traceback" not in second.stderr
