@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ddprun's GPU checks (benchmarks/gpu_check.py), bounded in time; results in $OUT, else $1, else ./gpu_check_out.
+# ddprun's GPU checks (benchmarks/gpu_check.py), bounded in time; results in OUT_DIR, else $OUT, else ./gpu_check_out.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR] [--rehearse-on-cpu]
 #
@@ -8,8 +8,9 @@
 # cannot be made, it runs with python3 as it is. Without a GPU, the GPU steps are skipped.
 set -u
 cd "$(dirname "$0")/.."
-OUT_DIR="${OUT:-${1:-gpu_check_out}}"
-[ "${1:-}" = "$OUT_DIR" ] && shift
+ARG_OUT=""
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then ARG_OUT=$1; shift; fi
+OUT_DIR="${ARG_OUT:-${OUT:-gpu_check_out}}"   # an argument wins over $OUT
 BUDGET_S="${GPU_CHECK_BUDGET_S:-480}"        # the steps; setup and write-up come on top
 VENV="${GPU_CHECK_VENV:-${TMPDIR:-/tmp}/ddprun-gpu-venv}"  # outside the tree: never carried or committed
 mkdir -p "$OUT_DIR"

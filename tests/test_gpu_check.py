@@ -213,3 +213,16 @@ def test_a_stub_gpu_machine_compares_the_inventory_with_nvidia_smi(tmp_path, mon
     status, reason, figures = gc.step_inventory(None)
     assert (status, reason) == (gc.FAIL, "nvidia-smi answers but NVML (pynvml) does not")
     assert FOUR_GPUS[0][1] in figures["nvidia_smi"]
+
+
+def test_the_shell_entry_makes_its_venv_and_runs_the_dry_run(tmp_path, no_gpu_path):
+    out = tmp_path / "out"
+    python_dir = str(Path(sys.executable).parent)  # its python3 is the one whose packages the venv sees
+    env = {**os.environ, "PATH": os.pathsep.join([python_dir, no_gpu_path]), "GPU_CHECK_VENV": str(tmp_path / "venv")}
+    env.pop("OUT", None)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"gpu_check: python {tmp_path / 'venv' / 'bin' / 'python'}" in done.stderr, (out / "setup.log").read_text()
+    assert done.stdout.startswith("ddprun GPU check: 1 passed, 0 failed, 7 skipped")
+    assert json.loads((out / "gpu_check.json").read_text())["context"]["mode"] == "dry (no GPU)"
