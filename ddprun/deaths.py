@@ -39,7 +39,7 @@ class DeathWatch:
         signal.signal(signal.SIGCHLD, self._previous)
 
     def _on_sigchld(self, _signum: int, _frame: object) -> None:
-        for pid in (pid for pid, state in proc.children() if state == "Z"):
+        for pid in proc.zombie_children():
             if pid in self._seen:
                 continue
             try:

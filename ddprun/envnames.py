@@ -13,3 +13,6 @@ PID_FILE_ENV = "DDPRUN_PID_FILE"
 PROGRESS_FILE_ENV = "DDPRUN_PROGRESS_FILE"
 # torch elastic's own variable: where a failing rank records its exception.
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+# A token unique to one launcher's job, in every process it starts: after a kill -9 of the
+# launcher, its watchdog finds what the job left running by this variable (ddprun.reaper).
+JOB_MARKER_ENV = "DDPRUN_JOB"

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 from rich.console import Console
 from rich.markup import escape
 
-from ddprun import live, rendezvous, report, signals
+from ddprun import live, reaper, rendezvous, report, signals
 from ddprun.deaths import DeathWatch, rank_of
 from ddprun.errors import DdprunError
 from ddprun.plan import BOOTSTRAP_MODULE, LaunchPlan
@@ -50,7 +50,8 @@ def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] 
     os.environ.update(plan.env)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     say = _sayer(console)
-    with DeathWatch() as deaths, _quiet_torch_logs(say, deaths) as events, \
+    with reaper.job_reaper(grace_period_s=plan.grace_period_s, say=say), \
+            DeathWatch() as deaths, _quiet_torch_logs(say, deaths) as events, \
             _held_rendezvous(plan, say=say) as rdzv, _join_watch(plan, rdzv, say=say) as watch:
         launcher, logs = _build_launcher(plan, rdzv, on_start=watch.started if watch else None)
         events.logs = logs

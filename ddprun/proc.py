@@ -1,22 +1,26 @@
-"""This process's children, read from /proc (Linux)."""
+"""This process's children, through psutil.
+
+Only the launch path imports this module, so the CLI's fast paths never load psutil. It is
+imported here, not in the functions: deaths.py calls them from a SIGCHLD handler.
+"""
 
 from __future__ import annotations
 
-import os
+import psutil
 
 
-def children(parent: int | None = None) -> list[tuple[int, str]]:
-    """(pid, state letter) of each direct child of `parent` (default: this process)."""
-    parent = os.getpid() if parent is None else parent
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def children() -> list[int]:
+    """Pids of this process's direct children, exited or not."""
+    return [child.pid for child in psutil.Process().children()]
+
+
+def zombie_children() -> list[int]:
+    """Pids of this process's children that have exited and wait to be reaped."""
+    zombies = []
+    for child in psutil.Process().children():
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent:
-            found.append((int(entry), fields[0]))
-    return found
+            if child.status() == psutil.STATUS_ZOMBIE:
+                zombies.append(child.pid)
+        except psutil.NoSuchProcess:
+            continue  # reaped meanwhile
+    return zombies

@@ -8,7 +8,7 @@ import signal
 import threading
 from typing import Callable, Iterator, Sequence
 
-from ddprun import proc
+from ddprun import proc, reaper
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -18,7 +18,8 @@ def handling(*, forward: Sequence[str], graceful_stop: Callable[[signal.Signals]
              workers_started: Callable[[], bool], say: Callable[[str], None]) -> Iterator[None]:
     """First SIGINT/SIGTERM: `graceful_stop(sig)` in the main thread (it raises into the
     launcher, which stops the workers with that signal, waits the grace period, then kills).
-    A second one, or one before any worker started: SIGKILL the workers and exit at once.
+    A second one, or one before any worker started: SIGKILL the workers and everything they
+    started (ddprun.reaper), and exit at once.
 
     Python runs signal handlers only when the main thread is back in Python code, and torch's
     rendezvous can block it inside C++ for minutes. The signal's wakeup byte reaches a watcher
@@ -64,13 +65,13 @@ def _watch(read_fd: int, *, workers_started: Callable[[], bool], say: Callable[[
             continue  # the main thread stops them gracefully
         else:
             say(f"stopped by {stops[0].name} before any worker started.")
-        kill_children(signal.SIGKILL)
+        reaper.kill_descendants(signal.SIGKILL)  # workers and whatever they started
         os._exit(128 + int(stops[0]))
     os.close(read_fd)
 
 
 def kill_children(sig: signal.Signals) -> None:
     """Signal this process's direct children: the workers, each in its own session."""
-    for pid, _state in proc.children():
+    for pid in proc.children():
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)

@@ -323,10 +323,11 @@ def _signal_group(pgid: int, signum: int) -> None:
 
 
 def _is_smoke_worker(pid: int) -> bool:
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return SMOKE_MODULE.encode() in f.read()
-    except OSError:
+        return any(SMOKE_MODULE in arg for arg in psutil.Process(pid).cmdline())
+    except psutil.Error:
         return False
 
 
