@@ -7,6 +7,7 @@ torch is never imported here: --help and --dry-run stay instant.
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import uuid
 from typing import Annotated, List, Optional
@@ -15,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ddprun import cluster, devices, preflight, runfolders
+from ddprun import cluster, devices, preflight, torch_internals, runfolders
 from ddprun.errors import DdprunError, UsageError
 from ddprun.plan import DEFAULT_GRACE_PERIOD_S, Entrypoint, LaunchOptions, LaunchPlan, build_plan
 
@@ -79,14 +80,25 @@ def _launch_options(entrypoint: Entrypoint, flags: dict) -> LaunchOptions:
 
 
 def _plan(options: LaunchOptions) -> LaunchPlan:
+    torch_version = installed_torch()
     return build_plan(
         options,
         env=os.environ,
         inventory=[] if options.cpu else devices.read_inventory(),
         cpu_count=os.cpu_count() or 1,
         job_id=f"ddprun-{uuid.uuid4().hex[:12]}",
+        rdzv_secret=f"ddprun-{secrets.token_hex(16)}",  # 128 random bits, shown nowhere
+        torch_version=torch_version,
         log_root=runfolders.default_root(),  # a path only: it is made at launch, never on --dry-run
     )
+
+
+def installed_torch() -> str:
+    """The installed torch's release, refused below the supported floor (no torch import)."""
+    version = torch_internals.installed_torch_version()
+    for notice in torch_internals.check_torch_version(version):
+        stderr.print(f"[bold yellow]ddprun: warning:[/] {escape(notice)}")
+    return version
 
 
 def _launch_or_print(plan: LaunchPlan, *, dry_run: bool, as_json: bool) -> int:
@@ -94,6 +106,9 @@ def _launch_or_print(plan: LaunchPlan, *, dry_run: bool, as_json: bool) -> int:
         raise UsageError("--json goes with --dry-run, e.g. ddprun run train.py --dry-run --json")
     if dry_run:
         print(plan.to_json() if as_json else plan.shell_command())
+        if plan.launch.lost_in_torchrun_line and not as_json:
+            stderr.print(f"ddprun: note: run by hand, this torchrun line loses "
+                         f"{escape('; '.join(plan.launch.lost_in_torchrun_line))}. --json shows what ddprun does.")
         return 0
     from ddprun import launch, panels
 

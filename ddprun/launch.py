@@ -16,18 +16,13 @@ from typing import Any, Callable, Iterator
 from rich.console import Console
 from rich.markup import escape
 
-from ddprun import live, reaper, rendezvous, report, signals
+from ddprun import live, reaper, rendezvous, report, signals, torch_internals
 from ddprun.deaths import DeathWatch, rank_of
-from ddprun.errors import DdprunError
-from ddprun.plan import BOOTSTRAP_MODULE, LaunchPlan
 from ddprun.envnames import LAUNCHER_PID_ENV
+from ddprun.errors import DdprunError
+from ddprun.plan import BOOTSTRAP_MODULE, LOOPBACK, LaunchPlan
 
-# torch handles these by stopping the workers with the same signal; ddprun handles SIGINT
-# and SIGTERM itself (so that a second one kills at once) and forwards what the user asked.
-_TORCH_HANDLED = ("SIGHUP", "SIGQUIT")
 _ELASTIC_LOGGER = "torch.distributed.elastic"
-# torch sets each module logger to WARNING; the agent's restart record is INFO.
-_AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
 
 
 @dataclass
@@ -47,14 +42,15 @@ def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     sys.stdout.reconfigure(line_buffering=True)  # ranks' lines reach a pipe as they come
-    os.environ.update(plan.env)
+    os.environ.update({**plan.env, **plan.launch.launcher_env})
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     say = _sayer(console)
     with reaper.job_reaper(grace_period_s=plan.grace_period_s, say=say), \
-            DeathWatch() as deaths, _quiet_torch_logs(say, deaths) as events, \
+            DeathWatch() as deaths, _quiet_torch_logs(), \
             _held_rendezvous(plan, say=say) as rdzv, _join_watch(plan, rdzv, say=say) as watch:
-        launcher, logs = _build_launcher(plan, rdzv, on_start=watch.started if watch else None)
-        events.logs = logs
+        restarts = _Restarts(say=say, deaths=deaths, join_watch=watch)
+        launcher, logs = _build_launcher(plan, rdzv, on_start=restarts.on_start, say=say)
+        restarts.logs = logs
         announce()
         show_progress = live.progress_bar(console, path=os.path.join(plan.log_dir, "progress.jsonl"))
 
@@ -94,7 +90,8 @@ def _held_rendezvous(plan: LaunchPlan, *, say: Callable[[str], None]) -> Iterato
     flag = "--port" if plan.nnodes == "1" else plan.source.get("endpoint", "--master")
     with contextlib.ExitStack() as stack:
         try:
-            held = stack.enter_context(rendezvous.hold_store(address, port, flag=flag))
+            held = stack.enter_context(rendezvous.hold_store(
+                address, port, flag=flag, implementation=plan.launch.store_implementation))
         except rendezvous.PortTakenError:
             if plan.store_role == "host":
                 raise
@@ -122,7 +119,8 @@ def _join_watch(plan: LaunchPlan, rdzv: _Rendezvous, *, say: Callable[[str], Non
         yield watch
 
 
-def _build_launcher(plan: LaunchPlan, rdzv: _Rendezvous, *, on_start: Callable[[], None] | None):
+def _build_launcher(plan: LaunchPlan, rdzv: _Rendezvous, *, on_start: Callable[[int, int], None],
+                    say: Callable[[str], None]):
     from torch.distributed import run as torchrun
     from torch.distributed.launcher.api import elastic_launch
 
@@ -133,23 +131,27 @@ def _build_launcher(plan: LaunchPlan, rdzv: _Rendezvous, *, on_start: Callable[[
     split = rdzv.torchrun_args.index(BOOTSTRAP_MODULE) + 1
     config, entrypoint, entrypoint_args = torchrun.config_from_args(torchrun.parse_args(rdzv.torchrun_args[:split]))
     entrypoint_args = [*entrypoint_args, *rdzv.torchrun_args[split:]]
-    refresh_store = rdzv.held is not None and plan.nnodes == "1"
+    choices = plan.launch
+    stores = rendezvous.WorkerStores(bind_host=rdzv.held.host if rdzv.held else LOOPBACK,
+                                     implementation=choices.store_implementation)
 
     def on_attempt(number: int, envs: dict[int, dict[str, str]]) -> None:
-        if on_start:
-            on_start()
-        if refresh_store:
-            rendezvous.fresh_worker_store(number, envs)
+        on_start(number, config.max_restarts)
+        if choices.fresh_worker_store:
+            stores.fresh_for(envs)
 
     logs = RankLogsSpecs(
         plan.log_dir, console_ranks=set(plan.ranks) if plan.ranks is not None else None, on_attempt=on_attempt,
     )
     config.logs_specs = logs
     config.log_line_prefix_template = LINE_PREFIX_TEMPLATE
-    config.shutdown_timeout = int(round(plan.grace_period_s))
-    config.signals_to_handle = ",".join(s for s in _TORCH_HANDLED if s not in plan.forward_signals)
-    if rdzv.held is not None and config.rdzv_backend == "c10d":
-        config.rdzv_backend = rendezvous.register_backend(bind_host=rdzv.held.host)
+    for line in torch_internals.configure_launch(
+            config, grace_period_s=plan.grace_period_s, torch_signals=",".join(choices.torch_signals)):
+        say(f"note: {line}")
+    if rdzv.held is not None:
+        config.rdzv_configs["is_host"] = False  # torch's agent joins the store ddprun holds
+        if choices.local_worker_store_hook and config.rdzv_backend == "c10d":
+            config.rdzv_backend = rendezvous.register_backend(stores)
     return (lambda: elastic_launch(config, entrypoint)(*entrypoint_args)), logs
 
 
@@ -176,29 +178,27 @@ def _raise_if_join_failed(error: Exception, *, watch: Any, logs: Any) -> None:
         ) from error
 
 
-# --- torch's log records -------------------------------------------------------------------
+# --- restarts and torch's log records ----------------------------------------------------------
 
 
-class _ElasticEvents(logging.Handler):
-    """Turns torch elastic's log records into ddprun's own lines, and silences the rest.
+class _Restarts:
+    """Each start of the workers: the first ends the join wait, a later one is a restart.
 
-    A restart is torch's record "Worker group %s. %s/%s attempts left ..."; its *arguments*
-    are read, never the formatted text. Why it restarts comes from ddprun's own DeathWatch,
-    since torch's record names the wrong rank whenever failures share a second.
-    DDPRUN_DEBUG=1 lets torch's records through as they are.
+    Noticed through the attempt number torch gives every start (TORCHELASTIC_RESTART_COUNT in
+    the workers' environments), never through torch's log text. Why it restarted comes from
+    ddprun's own DeathWatch, since torch's record names the wrong rank whenever failures share
+    a second.
     """
 
-    def __init__(self, say: Callable[[str], None], deaths: DeathWatch) -> None:
-        super().__init__(level=logging.INFO)
-        self.say, self.deaths = say, deaths
-        self.restarts = 0
-        self.logs: Any = None  # RankLogsSpecs, for the attempt's pid files
+    def __init__(self, *, say: Callable[[str], None], deaths: DeathWatch, join_watch: Any) -> None:
+        self.say, self.deaths, self.join_watch = say, deaths, join_watch
+        self.logs: Any = None  # RankLogsSpecs, for the previous attempt's pid files
 
-    def emit(self, record: logging.LogRecord) -> None:
-        args = record.args or ()
-        if "attempts left" in str(record.msg) and len(args) >= 4:
-            self.restarts += 1
-            self.say(f"restart {self.restarts}/{args[3]}: {self._reason()}")
+    def on_start(self, number: int, max_restarts: int) -> None:
+        if self.join_watch is not None:
+            self.join_watch.started()
+        if number > 0:
+            self.say(f"restart {number}/{max_restarts}: {self._reason()}")
 
     def _reason(self) -> str:
         attempt = self.logs.current if self.logs else None
@@ -212,17 +212,16 @@ class _ElasticEvents(logging.Handler):
 
 
 @contextlib.contextmanager
-def _quiet_torch_logs(say: Callable[[str], None], deaths: DeathWatch) -> Iterator[_ElasticEvents]:
-    events = _ElasticEvents(say, deaths)
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch elastic's records stay out of the console (ddprun says what matters in its own
+    lines); DDPRUN_DEBUG=1 lets them through as they are."""
     elastic = logging.getLogger(_ELASTIC_LOGGER)
-    agent = logging.getLogger(_AGENT_LOGGER)
-    saved = (elastic.propagate, agent.level)
-    elastic.addHandler(events)
+    saved = elastic.propagate
+    quiet = logging.NullHandler()
+    elastic.addHandler(quiet)  # without a handler, Python's last resort prints warnings to stderr
     elastic.propagate = os.environ.get("DDPRUN_DEBUG") == "1"
-    agent.setLevel(logging.INFO)
     try:
-        yield events
+        yield
     finally:
-        elastic.removeHandler(events)
-        elastic.propagate, _ = saved
-        agent.setLevel(saved[1])
+        elastic.removeHandler(quiet)
+        elastic.propagate = saved

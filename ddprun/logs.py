@@ -17,8 +17,8 @@ from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
-from ddprun import runfolders
-from ddprun.envnames import PID_FILE_ENV
+from ddprun import runfolders, torch_internals
+from ddprun.envnames import ERROR_FILE_ENV, PID_FILE_ENV
 
 LINE_PREFIX_TEMPLATE = "[rank ${rank}] "
 
@@ -54,13 +54,14 @@ class RankLogsSpecs(LogsSpecs):
         on_attempt: Callable[[int, dict[int, dict[str, str]]], None] = lambda number, envs: None,
     ) -> None:
         super().__init__(log_dir=log_dir)
+        self._log_dir = log_dir  # ours: torch keeps its copy in a private attribute
         self._console_ranks = console_ranks
         self._on_attempt = on_attempt
         self.attempts: list[Attempt] = []
 
     @property
     def root_log_dir(self) -> str:
-        return str(self._root_log_dir)
+        return str(self._log_dir)
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         number = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -78,13 +79,12 @@ class RankLogsSpecs(LogsSpecs):
             # Error files are not made ahead: torch reads any error file it finds as JSON.
             for path in (attempt.stdout_log(rank), attempt.stderr_log(rank), attempt.pid_file(rank)):
                 runfolders.make_private_file(str(path))
-            env["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
+            env[ERROR_FILE_ENV] = dest.error_files[local_rank]
             env[PID_FILE_ENV] = str(attempt.pid_file(rank))
             if self._console_ranks is None or rank in self._console_ranks:
                 dest.tee_stdouts[local_rank] = dest.stdouts[local_rank]
                 dest.tee_stderrs[local_rank] = dest.stderrs[local_rank]
-        dest.filtered_stdout = os.devnull
-        dest.filtered_stderr = os.devnull
+        torch_internals.tune_logs_dest(dest)
         self.attempts.append(attempt)
         return dest
 

@@ -28,6 +28,9 @@ def render_plan(plan: LaunchPlan) -> Panel:
 
 
 def _endpoint_text(plan: LaunchPlan) -> str:
+    # The rendezvous id is a secret unless the user chose it (see build_plan): show the job id.
+    chosen = plan.source.get("rdzv_id", "default") != "default"
+    name = f"id {plan.rdzv_id}" if chosen else f"job {plan.job_id}"
     if plan.endpoint.endswith(":0"):
-        return f"{plan.endpoint[:-2]} (a free port, held by ddprun), id {plan.rdzv_id}"
-    return f"{plan.endpoint}, id {plan.rdzv_id}"
+        return f"{plan.endpoint[:-2]} (a free port, held by ddprun), {name}"
+    return f"{plan.endpoint}, {name}"

@@ -11,7 +11,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
-from ddprun import cluster, devices, runfolders
+from ddprun import cluster, devices, envnames, runfolders, torch_internals
 from ddprun.errors import UsageError
 
 LOOPBACK = "127.0.0.1"
@@ -59,6 +59,25 @@ class LaunchOptions:
 
 
 @dataclass(frozen=True)
+class LaunchChoices:
+    """What ddprun does at launch that the torchrun line cannot express; `launch` carries it out."""
+
+    torch_version: str
+    # Where the rendezvous store listens when ddprun serves it (binds, holds for the job's life);
+    # "endpoint" for a c10d job: held by the node whose address the endpoint names; None: joins.
+    store_bind: str | None
+    store_implementation: str  # TCPStore "libuv" or "legacy": which one takes a held socket
+    agent_joins_held_store: bool  # torch's agent connects to ddprun's store (--rdzv-conf is_host=false)
+    fresh_worker_store: bool  # every start of the workers gets a new store, on loopback
+    local_worker_store_hook: bool  # node 0's worker store bound to the endpoint's address only
+    torch_signals: list[str]  # signals torch's agent handles itself (stops the job)
+    grace_period_honoured: bool  # False: this torch waits its own 30 s
+    launcher_env: dict[str, str]  # set in the launcher only, for torch's agent
+    launch_env: dict[str, str]  # per-rank variables set at launch: name -> what it holds
+    lost_in_torchrun_line: list[str]  # guarantees the printed torchrun line would not keep
+
+
+@dataclass(frozen=True)
 class LaunchPlan:
     torchrun_args: list[str]
     env: dict[str, str]
@@ -69,7 +88,8 @@ class LaunchPlan:
     devices: list[str] | None
     device_labels: list[str]
     entrypoint: str
-    rdzv_id: str
+    job_id: str  # names the log folder; shown to the user
+    rdzv_id: str  # secret unless the user chose it: never shown outside --dry-run
     endpoint: str
     # Who serves the rendezvous store: "host" (ddprun binds and holds it: one node, or node 0 of
     # a fixed set), "auto" (c10d: the node whose address the endpoint names), or "client".
@@ -83,6 +103,7 @@ class LaunchPlan:
     forward_signals: list[str]
     notices: list[str]
     source: dict[str, str]
+    launch: LaunchChoices
 
     def shell_command(self) -> str:
         """One copy-pasteable line: the environment ddprun adds, then torchrun."""
@@ -109,14 +130,23 @@ def build_plan(
     cpu_count: int,
     job_id: str,
     log_root: str,
+    rdzv_secret: str,
+    torch_version: str,
 ) -> LaunchPlan:
-    """Decide everything about the launch; raise UsageError for anything wrong with the request."""
+    """Decide everything about the launch; raise UsageError for anything wrong with the request.
+
+    `rdzv_secret` names the rendezvous when the user gave no id: torch's c10d rendezvous keeps
+    its state as a pickle under that name in a store every local user can reach, so the name
+    must be unguessable and shown nowhere (the job id, which names the log folder, is not it).
+    """
     _check_generic_options(options)
+    features = torch_internals.features_for(torch_version)
+    _check_torch_features(options, features)
     chosen = _choose_devices(options, env=env, inventory=inventory)
     spec = cluster.detect_cluster(options.cluster, env)
     world = _world_size(spec, chosen.nproc)
     ranks = _check_ranks(options.ranks, world)
-    rdzv_id = str(spec.rdzv_id.value) if spec.rdzv_id else job_id
+    rdzv_id = str(spec.rdzv_id.value) if spec.rdzv_id else rdzv_secret
     endpoint = _endpoint(spec, options.port)
     worker_env = _worker_env(chosen, env=env, cpu_count=cpu_count, multi_node=spec.is_multi_node())
     notices = chosen.notices + _env_notices(worker_env, env=env, cpu_count=cpu_count, nproc=chosen.nproc)
@@ -131,6 +161,7 @@ def build_plan(
         devices=[g.entry for g in chosen.selected] if chosen.selected is not None else None,
         device_labels=_device_labels(chosen),
         entrypoint=options.entrypoint.describe(),
+        job_id=job_id,
         rdzv_id=rdzv_id,
         endpoint=endpoint,
         store_role=_store_role(spec),
@@ -143,6 +174,8 @@ def build_plan(
         forward_signals=list(options.forward_signals),
         notices=notices,
         source=spec.sources(),
+        launch=_launch_choices(spec, features=features, forward=options.forward_signals,
+                               grace_period_s=options.grace_period_s),
     )
 
 
@@ -162,6 +195,12 @@ def _check_generic_options(options: LaunchOptions) -> None:
     for name in options.forward_signals:
         if name not in FORWARDABLE_SIGNALS:
             raise UsageError(f"--forward-signal {name}: choose from {', '.join(FORWARDABLE_SIGNALS)}")
+
+
+def _check_torch_features(options: LaunchOptions, features: torch_internals.TorchFeatures) -> None:
+    if "SIGHUP" in options.forward_signals and not features.launcher_handles_signals:
+        raise UsageError(f"--forward-signal SIGHUP needs torch >= 2.10: torch {features.version} stops the job "
+                         "on SIGHUP itself; forward SIGUSR1 or SIGUSR2 instead")
 
 
 def _choose_devices(options: LaunchOptions, *, env: Mapping[str, str], inventory: Sequence[devices.Gpu]) -> _Devices:
@@ -215,6 +254,47 @@ def _store_role(spec: cluster.ClusterSpec) -> str:
     if spec.rdzv_backend == "static":  # node 0 hosts it, as in torchrun's static rendezvous
         return "host" if spec.node_rank.value == 0 else "client"
     return "auto"
+
+
+# Set for every rank at launch, beside torchrun's own (RANK, LOCAL_RANK, WORLD_SIZE, ...).
+_LAUNCH_ENV = {
+    envnames.LAUNCHER_PID_ENV: "the launcher's pid (a rank that finds another parent exits)",
+    envnames.PID_FILE_ENV: "where the rank writes its pid (the launcher maps a dead pid to its rank)",
+    envnames.ERROR_FILE_ENV: "where the rank records an uncaught exception",
+    envnames.PROGRESS_FILE_ENV: "where the bundled trainer's rank 0 appends progress records",
+}
+_FRESH_STORE_ENV = {
+    "MASTER_ADDR": "127.0.0.1: the workers' store, served by ddprun",
+    "MASTER_PORT": "a fresh store per start of the workers",
+    "TORCHELASTIC_USE_AGENT_STORE": "True: every rank connects to that store, none hosts one",
+}
+# torchrun's own handling of these stops the job; ddprun relays them when asked (--forward-signal).
+_TORCH_STOP_SIGNALS = ("SIGHUP", "SIGQUIT")
+
+
+def _launch_choices(spec: cluster.ClusterSpec, *, features: torch_internals.TorchFeatures,
+                    forward: tuple[str, ...], grace_period_s: float) -> LaunchChoices:
+    role = _store_role(spec)
+    single = spec.endpoint is None
+    fresh = role == "host" and single
+    bind = LOOPBACK if single else (None if role == "client" else "endpoint")
+    lost = ["the store on loopback only, bound and held by ddprun (torchrun binds every interface, "
+            "and two jobs on one port join each other)"] if single else []
+    lost += ["a fresh worker store for every restart"] if fresh else []
+    return LaunchChoices(
+        torch_version=features.version,
+        store_bind=bind,
+        store_implementation=features.store_implementation,
+        agent_joins_held_store=bind is not None,
+        fresh_worker_store=fresh,
+        local_worker_store_hook=not single and role != "client" and spec.rdzv_backend != "static"
+        and features.shared_store_switch,
+        torch_signals=[s for s in _TORCH_STOP_SIGNALS if s not in forward or not features.launcher_handles_signals],
+        grace_period_honoured=features.launcher_shutdown_timeout or grace_period_s == 30,
+        launcher_env={torch_internals.DISABLE_SHARED_STORE_ENV: "1"} if fresh else {},
+        launch_env={**_LAUNCH_ENV, **(_FRESH_STORE_ENV if fresh else {})},
+        lost_in_torchrun_line=lost,
+    )
 
 
 def _worker_env(chosen: _Devices, *, env: Mapping[str, str], cpu_count: int, multi_node: bool) -> dict[str, str]:

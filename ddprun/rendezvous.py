@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from ddprun import portinfo
+from ddprun import portinfo, torch_internals
 from ddprun.errors import UsageError
 
 # The registered rendezvous backend: torch's c10d handler, with its worker store kept local.
@@ -68,82 +68,86 @@ def _port_taken_message(host: str, port: int, *, flag: str) -> str:
     return f"{flag} {given}: the port is already in use on {host}{held_by}. Use another port, e.g. {flag} {other}"
 
 
-def serve_store(sock: socket.socket, *, host: str) -> Any:
-    """A multi-tenant TCPStore server on an already-listening socket."""
-    import torch.distributed as dist
+def serve_store(sock: socket.socket, *, host: str, implementation: str) -> Any:
+    """A multi-tenant TCPStore server on an already-listening socket.
 
-    return dist.TCPStore(
-        host, sock.getsockname()[1], is_master=True, multi_tenant=True,
-        wait_for_workers=False, master_listen_fd=sock.fileno(),
-    )
+    A store that owns the socket from then on (see torch_internals) gets it detached, so that
+    Python never closes the fd under it, not even at interpreter exit."""
+    store = torch_internals.serve_store_on_socket(
+        sock.fileno(), host=host, port=sock.getsockname()[1], implementation=implementation)
+    if torch_internals.store_owns_socket(implementation):
+        sock.detach()
+    return store
 
 
 @contextlib.contextmanager
-def hold_store(host: str, port: int, *, flag: str = "--port") -> Iterator[HeldStore]:
+def hold_store(host: str, port: int, *, implementation: str, flag: str = "--port") -> Iterator[HeldStore]:
     """Host the rendezvous store on host:port for the duration of the job."""
     sock = bind_listener(host, port, flag=flag)
+    bound = sock.getsockname()[1]
     try:
-        store = serve_store(sock, host=host)
-        yield HeldStore(host=host, port=sock.getsockname()[1], store=store, sock=sock)
+        store = serve_store(sock, host=host, implementation=implementation)
+        yield HeldStore(host=host, port=bound, store=store, sock=sock)
     finally:
-        sock.close()
+        sock.close()  # a no-op once detached
 
 
-class _LocalStoreHandlers:
-    """Registry creator: torch's c10d rendezvous handler, with the workers' store bound to one address."""
-
-    def __init__(self) -> None:
-        self.bind_host = "127.0.0.1"
-        self.sockets: list[socket.socket] = []  # kept open for the job's life, like the stores
-        self.stores: list[Any] = []
-
-    def __call__(self, params: Any) -> Any:
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-
-        backend, store = create_backend(params)
-        handler = create_handler(store, backend, params)
-        # torch makes the workers' store with TCPStore(addr, 0), which listens on every
-        # interface: hand it a socket bound to our address instead. If a torch release
-        # renames these hooks, fail loudly rather than silently listen on '*'.
-        for hook in ("_create_tcp_store_server", "_backend_name"):
-            if not hasattr(handler, hook):
-                raise RuntimeError(f"this torch release has no DynamicRendezvousHandler.{hook}")
-        handler._create_tcp_store_server = self._worker_store
-        handler._backend_name = BACKEND_NAME  # the registry checks the name it was asked for
-        return handler
-
-    def _worker_store(self, master_addr: str, master_port: int) -> Any:
-        sock = bind_listener(self.bind_host, master_port)
-        self.sockets.append(sock)
-        return serve_store(sock, host=master_addr)
-
-
-_HANDLERS = _LocalStoreHandlers()
-
-
-def fresh_worker_store(number: int, envs: dict[int, dict[str, str]]) -> None:
-    """Give a restarted single-node attempt a new, empty worker store.
+class WorkerStores:
+    """The stores ddprun serves for the workers: a fresh, empty one for every start of them.
 
     torch keeps one worker store for every attempt, so restarted ranks can read the keys of
     the dead attempt (gloo's peer addresses, barrier counters) and hang or fail; plain
-    torchrun --max-restarts trips on this most of the time on torch 2.14.
+    torchrun --max-restarts trips on this most of the time on torch 2.14. Each store listens
+    on `bind_host` only, and lives (with its socket) as long as the launcher.
     """
-    if number == 0:
-        return
-    sock = bind_listener(_HANDLERS.bind_host, 0)
-    _HANDLERS.sockets.append(sock)
-    _HANDLERS.stores.append(serve_store(sock, host=_HANDLERS.bind_host))
-    for env in envs.values():
-        env["MASTER_PORT"] = str(sock.getsockname()[1])
+
+    def __init__(self, *, bind_host: str, implementation: str) -> None:
+        self.bind_host, self.implementation = bind_host, implementation
+        self._kept: list[Any] = []
+
+    def serve(self) -> int:
+        """A new store on a free port of `bind_host`; returns the port."""
+        sock = bind_listener(self.bind_host, 0)
+        port = sock.getsockname()[1]
+        self._kept += [sock, serve_store(sock, host=self.bind_host, implementation=self.implementation)]
+        return port
+
+    def fresh_for(self, envs: dict[int, dict[str, str]]) -> None:
+        """Point this start of the workers at a store of their own."""
+        torch_internals.point_workers_at_store(envs, host=self.bind_host, port=self.serve())
+
+    def handler_creator(self) -> Callable[[Any], Any]:
+        """Registry creator for multi-node hosts: torch's c10d handler, with node 0's worker store
+        bound to `bind_host` where this torch lets ddprun make it (see torch_internals)."""
+
+        def create(params: Any) -> Any:
+            from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+            from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+            backend, store = create_backend(params)
+            handler = create_handler(store, backend, params)
+            torch_internals.keep_worker_store_local(handler, self._multi_node_store, name=BACKEND_NAME)
+            return handler
+
+        return create
+
+    def _multi_node_store(self, master_addr: str, master_port: int) -> Any:
+        sock = bind_listener(self.bind_host, master_port)
+        store = serve_store(sock, host=master_addr, implementation=self.implementation)
+        self._kept += [sock, store]
+        return store
 
 
-def register_backend(*, bind_host: str) -> str:
-    """Register (once per process) the c10d handler whose worker store listens on `bind_host` only."""
+_registered: list[WorkerStores] = []  # the current job's stores; torch's registry takes one creator per name
+
+
+def register_backend(stores: WorkerStores) -> str:
+    """Register the c10d handler whose node-0 worker store listens on `stores.bind_host` only."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    _HANDLERS.bind_host = bind_host
-    rendezvous_handler_registry.register(BACKEND_NAME, _HANDLERS)
+    if not _registered:
+        rendezvous_handler_registry.register(BACKEND_NAME, lambda params: _registered[-1].handler_creator()(params))
+    _registered.append(stores)
     return BACKEND_NAME
 
 

@@ -7,6 +7,7 @@ import shlex
 
 import pytest
 
+from ddprun import cluster
 from ddprun.devices import Gpu
 from ddprun.errors import UsageError
 from ddprun.plan import Entrypoint, LaunchOptions, build_plan
@@ -15,10 +16,11 @@ FOUR = [Gpu(i, f"GPU-{i}aaaaaaa-0000-0000-0000-00000000000{i}", "NVIDIA H100", 8
 SCRIPT = Entrypoint("train.py", ("--lr", "0.1"))
 
 
-def plan(env=None, inventory=(), cpu_count=8, **options):
+def plan(env=None, inventory=(), cpu_count=8, torch_version="2.14.1", **options):
     return build_plan(
         LaunchOptions(entrypoint=options.pop("entrypoint", SCRIPT), **options),
         env=env or {}, inventory=list(inventory), cpu_count=cpu_count, job_id="job-1", log_root="/tmp/ddprun",
+        rdzv_secret="secret-1", torch_version=torch_version,
     )
 
 
@@ -110,7 +112,7 @@ def test_single_node_rendezvous_is_c10d_on_loopback_with_a_unique_id():
     args = p.torchrun_args
     assert args[args.index("--rdzv-backend") + 1] == "c10d"
     assert args[args.index("--rdzv-endpoint") + 1] == "127.0.0.1:29600"
-    assert args[args.index("--rdzv-id") + 1] == "job-1"
+    assert args[args.index("--rdzv-id") + 1] == "secret-1"  # never the job id, which names a folder
     assert args[args.index("--local-addr") + 1] == "127.0.0.1"
     assert p.store_role == "host" and p.env["GLOO_SOCKET_IFNAME"] == "lo"
 
@@ -173,3 +175,53 @@ def test_a_ddprun_flag_after_the_script_is_passed_on_but_pointed_out():
     p = plan(entrypoint=Entrypoint("train.py", ("--dry-run",)))
     assert p.torchrun_args[-1] == "--dry-run"
     assert any("--dry-run comes after the script" in n for n in p.notices)
+
+
+# --- launch-time choices the torchrun line cannot express ---------------------------------------
+
+
+def test_a_single_node_plan_records_the_held_loopback_store_and_fresh_worker_stores():
+    choices = plan().launch
+    assert choices.store_bind == "127.0.0.1" and choices.agent_joins_held_store
+    assert choices.fresh_worker_store and choices.store_implementation == "libuv"
+    assert choices.launcher_env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert {"MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "DDPRUN_PID_FILE", "TORCHELASTIC_ERROR_FILE"} <= set(choices.launch_env)
+    assert any("loopback" in lost for lost in choices.lost_in_torchrun_line)
+    assert any("restart" in lost for lost in choices.lost_in_torchrun_line)
+
+
+def test_the_oldest_torch_gets_the_legacy_store_and_torch_s_own_signals_and_grace():
+    choices = plan(torch_version="2.4.0", grace_period_s=5).launch
+    assert choices.store_implementation == "legacy"
+    assert choices.torch_signals == ["SIGHUP", "SIGQUIT"]
+    assert not choices.grace_period_honoured
+    assert plan(torch_version="2.14.1", grace_period_s=5).launch.grace_period_honoured
+
+
+def test_a_forwarded_signal_is_left_to_ddprun_where_torch_allows_it():
+    assert plan(forward_signals=("SIGHUP",)).launch.torch_signals == ["SIGQUIT"]
+
+
+def test_forwarding_sighup_on_a_torch_that_takes_it_itself_is_refused():
+    with pytest.raises(UsageError, match="--forward-signal SIGHUP needs torch >= 2.10"):
+        plan(torch_version="2.9.0", forward_signals=("SIGHUP",))
+    assert plan(torch_version="2.9.0", forward_signals=("SIGUSR1",)).launch.torch_signals == ["SIGHUP", "SIGQUIT"]
+
+
+def test_a_node_that_joins_another_node_s_store_serves_nothing():
+    flags = cluster.ClusterFlags(nnodes="2", node_rank=1, master="10.0.0.1:29500")
+    choices = plan(cluster=flags).launch
+    assert choices.store_bind is None and not choices.agent_joins_held_store and not choices.fresh_worker_store
+    assert choices.lost_in_torchrun_line == [] and choices.launcher_env == {}
+
+
+def test_node_0_of_an_elastic_job_binds_the_endpoint_s_address_for_the_workers_store_too():
+    flags = cluster.ClusterFlags(nnodes="1:2", rdzv_endpoint="10.0.0.1:29500", rdzv_id="job")
+    choices = plan(cluster=flags).launch
+    assert choices.store_bind == "endpoint" and choices.local_worker_store_hook
+    assert not plan(cluster=flags, torch_version="2.4.0").launch.local_worker_store_hook
+
+
+def test_the_json_plan_carries_the_launch_choices():
+    data = json.loads(plan().to_json())
+    assert data["launch"]["store_bind"] == "127.0.0.1" and data["launch"]["torch_version"] == "2.14.1"

@@ -21,6 +21,7 @@ import time
 import traceback
 from types import TracebackType
 
+from ddprun import torch_internals
 from ddprun.envnames import ERROR_FILE_ENV, LAUNCHER_PID_ENV, PID_FILE_ENV
 
 _PR_SET_PDEATHSIG = 1
@@ -58,26 +59,6 @@ def run_user_code(argv: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
-def error_record(exc: BaseException, *, now: float) -> dict:
-    """The JSON torch's ErrorHandler.record_exception writes, plus a millisecond timestamp.
-
-    torch reads only message.extraInfo.timestamp (whole seconds); ranks failing within the
-    same second are ordered by the extra `timestamp_ms` key.
-    """
-    return {
-        "message": {
-            "message": f"{type(exc).__name__}: {exc}",
-            "extraInfo": {
-                "py_callstack": "".join(
-                    traceback.format_exception(type(exc), exc, exc.__traceback__)
-                ),
-                "timestamp": str(int(now)),
-                "timestamp_ms": str(int(now * 1000)),
-            },
-        }
-    }
-
-
 def user_traceback(tb: TracebackType | None) -> TracebackType | None:
     """Drop the leading frames of this bootstrap and runpy, as `python script.py` shows none."""
     while tb is not None and tb.tb_frame.f_code.co_filename in _LAUNCH_FILES:
@@ -102,7 +83,7 @@ def write_error_file(path: str, exc: BaseException) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w") as fp:
-            json.dump(error_record(exc, now=time.time()), fp)
+            json.dump(torch_internals.error_record(exc, now=time.time()), fp)
         os.replace(tmp, path)
     except Exception as err:  # an unwritable path, or an exception whose str() fails
         print(f"ddprun: could not write error file {path}: {err!r}", file=sys.stderr)
@@ -161,11 +142,8 @@ def _die_interrupted(exc: KeyboardInterrupt) -> None:
 
 
 def _print_exception(exc: BaseException) -> None:
-    """Print through the installed excepthook, except torch's: it prefixes every line with
-    [rankN]: and the launcher already prefixes each line with [rank N]."""
-    hook = sys.excepthook
-    if getattr(hook, "__name__", "") == "_distributed_excepthook":
-        hook = sys.__excepthook__
+    """Print through the installed excepthook, except torch's (see torch_internals)."""
+    hook = torch_internals.plain_excepthook()
     hook(type(exc), exc, exc.__traceback__)
 
 

@@ -38,5 +38,8 @@ def _cnn(*, num_classes: int) -> nn.Module:
     )
 
 
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
 def has_batch_norm(model: nn.Module) -> bool:
-    return any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules())
+    return any(isinstance(module, _BATCH_NORMS) for module in model.modules())

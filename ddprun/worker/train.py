@@ -7,7 +7,6 @@ Exit codes: 0 done, 2 bad input (options, checkpoint), 1 or an exception otherwi
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import os
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddprun import torch_internals
 from ddprun.errors import UsageError
 from ddprun.worker.checkpoint import (
     CheckpointError, FORMAT_VERSION, capture_rng, load_checkpoint, remove_stale_temps, restore_rng, save_atomic,
@@ -610,7 +610,7 @@ def leave(code: int) -> None:
     a finished rank has been seen to abort there (SIGABRT, "terminate called without an active
     exception"), turning a complete run into a failed one. Every file the trainer writes is
     closed by now; exit handlers still run, with the interpreter intact."""
-    atexit._run_exitfuncs()
+    torch_internals.run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
