@@ -92,6 +92,10 @@ def _held_rendezvous(plan: LaunchPlan, *, say: Callable[[str], None]) -> Iterato
         try:
             held = stack.enter_context(rendezvous.hold_store(
                 address, port, flag=flag, implementation=plan.launch.store_implementation))
+        except torch_internals.HeldStoreUnsupported as why:
+            say(f"note: this torch cannot serve a store on a socket ddprun holds ({why}); torch's own "
+                "rendezvous runs it instead, without a held port, a loopback-only store or a fresh store per restart.")
+            held = None
         except rendezvous.PortTakenError:
             if plan.store_role == "host":
                 raise
@@ -133,11 +137,11 @@ def _build_launcher(plan: LaunchPlan, rdzv: _Rendezvous, *, on_start: Callable[[
     entrypoint_args = [*entrypoint_args, *rdzv.torchrun_args[split:]]
     choices = plan.launch
     stores = rendezvous.WorkerStores(bind_host=rdzv.held.host if rdzv.held else LOOPBACK,
-                                     implementation=choices.store_implementation)
+                                     implementation=choices.store_implementation, say=say)
 
     def on_attempt(number: int, envs: dict[int, dict[str, str]]) -> None:
         on_start(number, config.max_restarts)
-        if choices.fresh_worker_store:
+        if choices.fresh_worker_store and rdzv.held is not None:
             stores.fresh_for(envs)
 
     logs = RankLogsSpecs(

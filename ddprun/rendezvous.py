@@ -101,8 +101,8 @@ class WorkerStores:
     on `bind_host` only, and lives (with its socket) as long as the launcher.
     """
 
-    def __init__(self, *, bind_host: str, implementation: str) -> None:
-        self.bind_host, self.implementation = bind_host, implementation
+    def __init__(self, *, bind_host: str, implementation: str, say: Callable[[str], None] = lambda text: None) -> None:
+        self.bind_host, self.implementation, self._say = bind_host, implementation, say
         self._kept: list[Any] = []
 
     def serve(self) -> int:
@@ -126,7 +126,9 @@ class WorkerStores:
 
             backend, store = create_backend(params)
             handler = create_handler(store, backend, params)
-            torch_internals.keep_worker_store_local(handler, self._multi_node_store, name=BACKEND_NAME)
+            if not torch_internals.keep_worker_store_local(handler, self._multi_node_store, name=BACKEND_NAME):
+                self._say(f"note: this torch's rendezvous handler has no hook for node 0's worker store, so rank 0 "
+                          f"serves it on every interface, not {self.bind_host} only (torch's own behaviour).")
             return handler
 
         return create

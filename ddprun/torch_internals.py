@@ -97,11 +97,16 @@ def features_for(text: str) -> TorchFeatures:
 # Verified: 2.4.0 and 2.14.1 (legacy on 2.4-2.7, libuv from 2.8).
 
 
+class HeldStoreUnsupported(Exception):
+    """This torch's TCPStore cannot serve a socket ddprun holds: torch's own rendezvous must do."""
+
+
 def serve_store_on_socket(sock_fd: int, *, host: str, port: int, implementation: str) -> Any:
     """A multi-tenant TCPStore server on an already-listening socket (`master_listen_fd`).
 
     libuv from 2.8; before that libuv refuses the socket and the legacy store takes it. A torch
-    that refuses both raises, and the caller falls back to torch's own rendezvous."""
+    that refuses both raises HeldStoreUnsupported, and the caller falls back to torch's own
+    rendezvous on a free port."""
     import torch.distributed as dist
 
     def make(use_libuv: bool) -> Any:
@@ -111,9 +116,12 @@ def serve_store_on_socket(sock_fd: int, *, host: str, port: int, implementation:
     if implementation == "libuv":
         try:
             return make(True)
-        except NotImplementedError:
-            pass  # the plan's table was wrong for this build: the legacy store still serves it
-    return make(False)
+        except (NotImplementedError, TypeError):
+            pass  # the plan's table was wrong for this build: the legacy store may still serve it
+    try:
+        return make(False)
+    except (TypeError, NotImplementedError) as error:  # a keyword or a backend this torch dropped
+        raise HeldStoreUnsupported(f"{type(error).__name__}: {error}") from error
 
 
 def store_owns_socket(implementation: str) -> bool:

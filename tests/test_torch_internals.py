@@ -293,3 +293,34 @@ def test_the_dry_run_line_says_which_guarantees_plain_torchrun_would_lose(cpu_en
     plan = json.loads(run_ddprun(["run", "--cpu", "--dry-run", "--json", str(script)], env=cpu_env).stdout)
     assert plan["launch"]["fresh_worker_store"] and plan["launch"]["store_bind"] == "127.0.0.1"
     assert plan["job_id"] not in plan["rdzv_id"]  # the rendezvous id is not derived from the job id
+
+
+def test_a_torch_whose_store_takes_no_held_socket_is_reported_for_the_fallback(fake_dist):
+    fake = fake_dist(libuv_takes_fd=False)
+
+    def no_fd_at_all(host, port, *, use_libuv, master_listen_fd, **kwargs):
+        fake.calls.append(use_libuv)
+        raise TypeError("TCPStore() got an unexpected keyword argument 'master_listen_fd'")
+
+    sys.modules["torch.distributed"].TCPStore = no_fd_at_all
+    with pytest.raises(ti.HeldStoreUnsupported, match="master_listen_fd"):
+        ti.serve_store_on_socket(5, host="127.0.0.1", port=1, implementation="libuv")
+
+
+def test_without_a_held_store_the_launch_falls_back_to_torch_s_rendezvous_and_says_what_is_lost(monkeypatch):
+    import contextlib
+
+    from ddprun import launch, rendezvous
+    from tests.test_plan import plan
+
+    @contextlib.contextmanager
+    def unsupported(*args, **kwargs):
+        raise ti.HeldStoreUnsupported("TypeError: no master_listen_fd")
+        yield
+
+    monkeypatch.setattr(rendezvous, "hold_store", unsupported)
+    said = []
+    the_plan = plan(cpu=True)
+    with launch._held_rendezvous(the_plan, say=said.append) as rdzv:
+        assert rdzv.held is None and rdzv.torchrun_args == the_plan.torchrun_args
+    assert len(said) == 1 and "torch's own rendezvous" in said[0] and "fresh store per restart" in said[0]
