@@ -88,7 +88,8 @@ def bench_data_overhead(*, batch_size: int, steps: int, rounds: int) -> dict:
     trainer.init_distributed(opts, env=env, device=device)
     try:
         data = build_data(opts, rank=0, world_size=1, placement=Placement(device=device, channels_last=cuda))
-        c = trainer.build_components(opts, env=trainer.DistEnv(), data=data, device=device, reporter=NullReporter())
+        c = trainer.build_components(opts, env=trainer.DistEnv(), data=data, device=device, reporter=NullReporter(),
+                                     steps=trainer.plan_steps(opts, data=data, world_size=1))
         images, labels = next(data.train.batches(0))
 
         def sync() -> None:
@@ -107,7 +108,7 @@ def bench_data_overhead(*, batch_size: int, steps: int, rounds: int) -> dict:
         def through_trainer() -> None:
             clock = trainer.StepClock(warmup=steps + 1, device=device)  # the clock never starts: no extra syncs
             trainer.run_epoch(c, trainer.Position(), opts=opts, total_steps=steps, clock=clock,
-                              reporter=NullReporter())
+                              reporter=NullReporter(), after_step=lambda loss: None)
             sync()
 
         bare_times, trainer_times = [], []

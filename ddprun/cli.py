@@ -176,6 +176,7 @@ def train(
     from ddprun import train_options
 
     trainer = train_options.parse_cli(ctx.args)
+    train_options.validate(trainer)  # the trainer's own checks need no plan: they come first
     flags = dict(locals())
     entrypoint = Entrypoint(train_options.WORKER_MODULE, tuple(train_options.to_argv(trainer)), is_module=True)
     plan = _plan(_launch_options(entrypoint, flags))

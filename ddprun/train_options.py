@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -45,8 +47,15 @@ AMP_CHOICES = ("off", "bf16", "fp16")
 COMPRESSION_CHOICES = ("none", "bf16", "fp16", "powersgd")
 # auto: shared memory when every rank trains on this host's CPU, else the backend's (gloo, nccl) all-reduce
 ALLREDUCE_CHOICES = ("auto", "shm", "backend")
+# cosine: linear warmup, then cosine decay to zero; step: x0.1 after each third of the run (torchvision's 30/60
+# of 90 epochs); constant: the warmup, then the same lr to the end.
+LR_SCHEDULES = ("cosine", "step", "constant")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 CHECKPOINT_NAME = "last.pt"
+BEST_CHECKPOINT_NAME = "best.pt"  # the checkpoint of the best validation accuracy so far
+# Upper bounds that keep a value usable by what receives it (timedelta, int(bytes), a store's wait).
+MAX_COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_BUCKET_CAP_MB = 1e5
 
 
 @dataclass(frozen=True)
@@ -61,9 +70,15 @@ class TrainOptions:
     epochs: int = 1
     max_steps: Optional[int] = None  # optimizer steps; stops early when reached
     batch_size: int = 32  # per process
-    lr: Optional[float] = None  # None: 0.1 for sgd, 0.001 for adamw
-    optimizer: str = "sgd"
-    weight_decay: Optional[float] = None  # None: 0 for sgd, 0.01 for adamw
+    lr: Optional[float] = None  # None: sgd 0.1 x global batch / 256 (the linear rule), adamw 0.001
+    optimizer: str = "sgd"  # sgd: with momentum 0.9
+    weight_decay: Optional[float] = None  # None: 1e-4 for sgd, 0.05 for adamw
+    lr_schedule: str = "cosine"
+    warmup_epochs: Optional[float] = None  # linear warmup; None (and no --warmup-steps): auto, see schedule.py
+    warmup_steps: Optional[int] = None
+    label_smoothing: float = 0.1
+    clip_grad_norm: Optional[float] = None  # max total gradient norm; None: no clipping
+    hflip: bool = True  # random horizontal flips of ImageFolder training images
     amp: str = "off"
     channels_last: bool = False
     compile: bool = False
@@ -73,7 +88,7 @@ class TrainOptions:
     seed: int = 0
     checkpoint_dir: Optional[str] = None
     resume: bool = False
-    save_every: int = 1  # epochs
+    save_every: str = "1epoch"  # N (optimizer steps) or Nepoch(s)
     metrics_json: Optional[str] = None
     log_interval: float = 10.0  # seconds between plain progress lines
     bucket_cap_mb: float = 25.0
@@ -89,8 +104,31 @@ class TrainOptions:
         return os.path.join(self.checkpoint_dir, CHECKPOINT_NAME)
 
     @property
+    def best_checkpoint_path(self) -> Optional[str]:
+        return None if self.checkpoint_dir is None else os.path.join(self.checkpoint_dir, BEST_CHECKPOINT_NAME)
+
+    @property
     def is_path_data(self) -> bool:
         return self.data not in DATA_KINDS
+
+    @property
+    def save_interval(self) -> "SaveEvery":
+        return parse_save_every(self.save_every)
+
+
+@dataclass(frozen=True)
+class SaveEvery:
+    count: int
+    unit: str  # "steps" | "epochs"
+
+
+def parse_save_every(text: str) -> SaveEvery:
+    """`500` or `500steps`: every 500 optimizer steps; `1epoch`, `2epochs`: at the end of every N-th epoch."""
+    match = re.fullmatch(r"\s*(\d+)\s*(steps?|epochs?)?\s*", str(text).lower())
+    if match is None or int(match[1]) < 1:
+        raise UsageError(f"--save-every {text} is invalid: it must be a number of optimizer steps "
+                         f"or of epochs, at least 1", hint="e.g. --save-every 500 or --save-every 1epoch")
+    return SaveEvery(int(match[1]), "epochs" if (match[2] or "").startswith("epoch") else "steps")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainOptions)}
@@ -160,6 +198,8 @@ def validate(opts: TrainOptions, *, world_size: Optional[int] = None) -> None:
     process at least one full step per epoch.
     """
     _check_numbers(opts)
+    _check_floats(opts)
+    _check_schedule(opts)
     _check_choices(opts)
     _check_image_size(opts)
     if opts.is_path_data:
@@ -179,16 +219,55 @@ def _positive(value, flag: str, *, allow_zero: bool = False) -> None:
 
 def _check_numbers(opts: TrainOptions) -> None:
     for name in ("image_size", "num_classes", "dataset_size", "epochs", "max_steps", "batch_size",
-                 "grad_accum", "save_every"):
-        _positive(getattr(opts, name), _flag(name))
-    for name in ("lr", "log_interval", "bucket_cap_mb", "collective_timeout"):
+                 "grad_accum"):
         _positive(getattr(opts, name), _flag(name))
     _positive(opts.workers, "--workers", allow_zero=True)
-    _positive(opts.weight_decay, "--weight-decay", allow_zero=True)
+    _positive(opts.warmup_steps, "--warmup-steps", allow_zero=True)
+    opts.save_interval  # parses, or raises UsageError
     if opts.num_classes == 1:
         raise UsageError("--num-classes 1 is invalid: classification needs at least 2 classes")
     if not 0 <= opts.seed < 2**32:
         raise UsageError(f"--seed {opts.seed} is invalid: it must be between 0 and {2**32 - 1}")
+
+
+# Every float option: (lowest, highest, is the lowest itself allowed); None: no bound. NaN and inf never are.
+_FLOAT_RANGES = {
+    "lr": (0.0, None, False),
+    "weight_decay": (0.0, None, True),
+    "warmup_epochs": (0.0, None, True),
+    "label_smoothing": (0.0, 1.0, True),  # 1 would spread every label evenly: nothing left to learn
+    "clip_grad_norm": (0.0, None, False),
+    "log_interval": (0.0, None, False),
+    "bucket_cap_mb": (0.0, MAX_BUCKET_CAP_MB, False),
+    "collective_timeout": (0.0, MAX_COLLECTIVE_TIMEOUT_S, False),
+}
+
+
+def _check_floats(opts: TrainOptions) -> None:
+    for name, (low, high, low_ok) in _FLOAT_RANGES.items():
+        value = getattr(opts, name)
+        if value is None:
+            continue
+        below = value < low or (value == low and not low_ok)
+        above = high is not None and (value >= high if name == "label_smoothing" else value > high)
+        if not math.isfinite(value) or below or above:
+            raise UsageError(f"{_flag(name)} {value} is invalid: it must be a finite number "
+                             f"{_range_text(low, high, low_ok, name)}")
+
+
+def _range_text(low: float, high: Optional[float], low_ok: bool, name: str) -> str:
+    lowest = f"{'at least' if low_ok else 'greater than'} {low:g}"
+    if high is None:
+        return lowest
+    return f"{lowest} and {'below' if name == 'label_smoothing' else 'at most'} {high:g}"
+
+
+def _check_schedule(opts: TrainOptions) -> None:
+    if opts.warmup_epochs is not None and opts.warmup_steps is not None:
+        raise UsageError("--warmup-epochs and --warmup-steps both set the warmup", hint="give one of them")
+    if opts.warmup_epochs is not None and opts.warmup_epochs >= opts.epochs:
+        raise UsageError(f"--warmup-epochs {opts.warmup_epochs:g} is not shorter than the run (--epochs "
+                         f"{opts.epochs})", hint="use a shorter warmup, or more --epochs")
 
 
 def _check_choices(opts: TrainOptions) -> None:
@@ -196,7 +275,8 @@ def _check_choices(opts: TrainOptions) -> None:
         raise UsageError(f"unknown model {opts.model!r}", hint="choose one of: " + ", ".join(MODEL_CHOICES))
     for flag, value, choices in (("--optimizer", opts.optimizer, OPTIMIZERS), ("--amp", opts.amp, AMP_CHOICES),
                                  ("--grad-compression", opts.grad_compression, COMPRESSION_CHOICES),
-                                 ("--grad-allreduce", opts.grad_allreduce, ALLREDUCE_CHOICES)):
+                                 ("--grad-allreduce", opts.grad_allreduce, ALLREDUCE_CHOICES),
+                                 ("--lr-schedule", opts.lr_schedule, LR_SCHEDULES)):
         if value not in choices:
             raise UsageError(f"{flag} {value!r} is not one of: {', '.join(choices)}")
     if opts.grad_allreduce == "shm" and opts.grad_compression != "none":
@@ -218,9 +298,8 @@ def _check_image_size(opts: TrainOptions) -> None:
 
 
 def _check_run_control(opts: TrainOptions) -> None:
-    if opts.checkpoint_dir is not None and os.path.exists(opts.checkpoint_dir) \
-            and not os.path.isdir(opts.checkpoint_dir):
-        raise UsageError(f"--checkpoint-dir {opts.checkpoint_dir} exists and is not a directory")
+    if opts.checkpoint_dir is not None:
+        _check_checkpoint_dir(opts.checkpoint_dir)
     if opts.resume:
         if opts.checkpoint_dir is None:
             raise UsageError("--resume needs --checkpoint-dir DIR (the directory holding last.pt)")
@@ -233,6 +312,28 @@ def _check_run_control(opts: TrainOptions) -> None:
             raise UsageError(f"--metrics-json {opts.metrics_json}: directory {parent} does not exist")
 
 
+def _check_checkpoint_dir(path: str) -> None:
+    """The directory exists and is writable, or its nearest existing ancestor is a directory that is.
+    Nothing is created here (--dry-run runs these checks too); the first save creates it."""
+    target = os.path.abspath(path)
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise UsageError(f"--checkpoint-dir {path} exists and is not a directory")
+    existing = target
+    while not os.path.exists(existing):  # ENOTDIR under a file also reads as missing
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"--checkpoint-dir {path} cannot be created: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == target else f"cannot be created: {existing} is not writable"
+        raise UsageError(f"--checkpoint-dir {path} {what}",
+                         hint="point --checkpoint-dir at a directory you can write to")
+
+
+def steps_per_epoch(opts: TrainOptions, world_size: int) -> int:
+    """Optimizer steps per epoch of synthetic or fake data (DistributedSampler pads to equal shards)."""
+    return -(-opts.dataset_size // world_size) // opts.batch_size // opts.grad_accum
+
+
 def _check_world(opts: TrainOptions, world_size: int) -> None:
     if opts.is_path_data:
         return  # counting files of a large tree is the worker's job
@@ -243,6 +344,14 @@ def _check_world(opts: TrainOptions, world_size: int) -> None:
             f"(world size {world_size} x --batch-size {opts.batch_size} x --grad-accum {opts.grad_accum})",
             hint=f"use --dataset-size {per_step} or more, or a smaller --batch-size or --grad-accum",
         )
+    check_warmup_steps(opts, schedule_steps=opts.epochs * steps_per_epoch(opts, world_size))
+
+
+def check_warmup_steps(opts: TrainOptions, *, schedule_steps: int) -> None:
+    """An explicit --warmup-steps shorter than the schedule (--epochs x steps per epoch)."""
+    if opts.warmup_steps is not None and opts.warmup_steps >= schedule_steps:
+        raise UsageError(f"--warmup-steps {opts.warmup_steps} is not shorter than the run ({schedule_steps} "
+                         f"steps over --epochs {opts.epochs})", hint="use a shorter warmup, or more --epochs")
 
 
 def image_folder_roots(data: str) -> tuple[str, Optional[str]]:
@@ -260,6 +369,7 @@ def _check_image_folder(opts: TrainOptions) -> None:
                          hint="use --data synthetic, --data fake, or a path to an ImageFolder tree")
     if not os.path.isdir(opts.data):
         raise UsageError(f"--data {opts.data} is not a directory (expected an ImageFolder tree)")
+    _check_readable(opts.data)
     train, val = image_folder_roots(opts.data)
     classes = class_folders(train)
     if opts.num_classes is not None and opts.num_classes != len(classes):
@@ -272,15 +382,22 @@ def _check_image_folder(opts: TrainOptions) -> None:
 
 def class_folders(root: str) -> list[str]:
     """Sorted class folder names of an ImageFolder root; UsageError when it is empty or a class has no image."""
+    _check_readable(root)
     names = sorted(entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith("."))
     if not names:
         raise UsageError(f"--data: {root} has no class folders",
                          hint="an ImageFolder tree looks like ROOT/train/CLASS/image.png (or ROOT/CLASS/image.png)")
     for name in names:
+        _check_readable(os.path.join(root, name))
         if not _has_image(os.path.join(root, name)):
             raise UsageError(f"--data: class folder {os.path.join(root, name)} holds no image files",
                              hint="image files end in " + " ".join(IMAGE_EXTENSIONS))
     return names
+
+
+def _check_readable(folder: str) -> None:
+    if not os.access(folder, os.R_OK | os.X_OK):
+        raise UsageError(f"--data: {folder} is not readable", hint="check its permissions (it needs r and x)")
 
 
 def _has_image(folder: str) -> bool:
@@ -296,7 +413,8 @@ def _has_image(folder: str) -> bool:
 WORKER_MODULE = "ddprun.worker.train"
 _CHOICES = {"model": "mlp, cnn or a torchvision model", "data": "synthetic, fake or PATH",
             "optimizer": "|".join(OPTIMIZERS), "amp": "|".join(AMP_CHOICES),
-            "grad_compression": "|".join(COMPRESSION_CHOICES), "grad_allreduce": "|".join(ALLREDUCE_CHOICES)}
+            "grad_compression": "|".join(COMPRESSION_CHOICES), "grad_allreduce": "|".join(ALLREDUCE_CHOICES),
+            "lr_schedule": "|".join(LR_SCHEDULES), "save_every": "N (steps) or Nepoch(s)"}
 
 
 def parse_cli(args: Sequence[str]) -> TrainOptions:

@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 def minimal_state(**overrides) -> dict:
     state = {
         "format": FORMAT_VERSION, "model": {"weight": torch.ones(3)}, "optimizer": {"state": {}, "param_groups": []},
-        "scaler": None, "epoch": 1, "batch_in_epoch": 0, "step": 10, "world_size": 1,
-        "rng": [capture_rng()], "args": {"model": "mlp", "lr": None, "resume": False},
+        "scaler": None, "schedule": {"last_epoch": 10, "base_lrs": [0.1]}, "epoch": 1, "batch_in_epoch": 0,
+        "step": 10, "world_size": 1, "rng": [capture_rng()], "best_val_accuracy": None,
+        "args": {"model": "mlp", "optimizer": "sgd", "image_size": 8, "lr": None, "resume": False},
     }
     state.update(overrides)
     return state
@@ -76,15 +77,59 @@ def test_truncated_checkpoint_is_corrupt(tmp_path):
 def test_foreign_file_is_not_a_checkpoint(tmp_path):
     path = tmp_path / "last.pt"
     torch.save({"weights": torch.zeros(2)}, path)
-    with pytest.raises(CheckpointError, match="not a ddprun train checkpoint"):
+    with pytest.raises(CheckpointError, match="not a ddprun train checkpoint .missing keys: format, model"):
+        load_checkpoint(str(path))
+    torch.save([1, 2], path)
+    with pytest.raises(CheckpointError, match="not a ddprun train checkpoint .it holds a list"):
         load_checkpoint(str(path))
 
 
-def test_unsafe_pickle_is_refused(tmp_path):
+def test_unsafe_pickle_is_refused_naming_the_global_and_never_advising_weights_only_false(tmp_path):
     path = tmp_path / "last.pt"
     torch.save(minimal_state(args=Path("/etc")), path)  # an arbitrary object: weights_only refuses it
-    with pytest.raises(CheckpointError, match="corrupt or unreadable"):
+    with pytest.raises(CheckpointError) as caught:
         load_checkpoint(str(path))
+    message = str(caught.value)
+    assert str(path) in message and "pathlib" in message and "PosixPath" in message, message
+    assert "weights_only=False" not in message and "weights_only" not in message.replace("safe load", "")
+    assert len(message.splitlines()) == 1
+
+
+def rng_of_two() -> list:
+    return [capture_rng(), capture_rng()]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(args="--model mlp"), "args is a str, expected a dict"),
+    (dict(world_size=2, rng=[capture_rng()]), "rng holds 1 states for world size 2"),
+    (dict(step="10"), "step is a str, expected an int"),
+    (dict(step=-1), "step is -1"),
+    (dict(epoch=1.5), "epoch is a float, expected an int"),
+    (dict(step=True), "step is a bool"),
+    (dict(model=[torch.ones(3)]), "model is a list, expected a dict"),
+    (dict(model={"weight": [1.0, 2.0]}), "model entry 'weight' is a list, expected a tensor"),
+    (dict(optimizer={"state": {}}), "optimizer is not an optimizer state"),
+    (dict(schedule={"base_lrs": [0.1]}), "schedule is not an lr scheduler state"),
+    (dict(scaler="on"), "scaler is a str, expected a dict or None"),
+    (dict(best_val_accuracy="0.9"), "best_val_accuracy is a str"),
+    (dict(rng=["seed"]), "rng[0] is a str, expected a dict"),
+    (dict(rng=[{"torch": torch.zeros(3)}]), "rng[0].python is missing"),
+    (dict(args={"model": "mlp", "optimizer": "sgd", "image_size": "8"}), "args.image_size is a str"),
+    (dict(args={"optimizer": "sgd", "image_size": 8}), "args.model is missing"),
+    (dict(format=1), "has format 1, expected 2"),
+])
+def test_wrong_contents_name_the_first_thing_wrong(tmp_path, overrides, needle):
+    path = tmp_path / "last.pt"
+    save_atomic(minimal_state(**overrides), str(path))
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(str(path))
+    assert needle in str(caught.value) and str(path) in str(caught.value)
+    assert len(str(caught.value).splitlines()) == 1
+
+
+def test_two_rank_checkpoint_with_both_rng_states_loads(tmp_path):
+    save_atomic(minimal_state(world_size=2, rng=rng_of_two()), str(tmp_path / "last.pt"))
+    assert len(load_checkpoint(str(tmp_path / "last.pt"))["rng"]) == 2
 
 
 def test_rng_round_trip_through_a_checkpoint(tmp_path):

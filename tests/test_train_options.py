@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,8 @@ import pytest
 
 from ddprun.errors import UsageError
 from ddprun.train_options import (
-    MODEL_CHOICES, TrainOptions, build_parser, class_folders, from_argv, image_folder_roots, to_argv, validate,
+    MODEL_CHOICES, SaveEvery, TrainOptions, build_parser, class_folders, from_argv, image_folder_roots,
+    parse_cli, parse_save_every, to_argv, validate,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,7 +69,10 @@ def test_model_choices_hold_small_and_torchvision_models():
     ("num_classes", 1, "--num-classes 1"),
     ("dataset_size", 0, "--dataset-size 0"),
     ("grad_accum", 0, "--grad-accum 0"),
-    ("save_every", 0, "--save-every 0"),
+    ("save_every", "0", "--save-every 0"),
+    ("save_every", "1week", "--save-every 1week"),
+    ("save_every", "-2", "--save-every -2"),
+    ("warmup_steps", -1, "--warmup-steps -1"),
     ("workers", -1, "--workers -1"),
     ("lr", 0.0, "--lr 0.0"),
     ("lr", -0.1, "--lr -0.1"),
@@ -87,6 +92,7 @@ def test_numbers_out_of_range(field, value, needle):
     ("optimizer", "lamb"), ("amp", "fp8"), ("grad_compression", "int8"), ("grad_allreduce", "nccl"),
 ])
 def test_bad_choices_name_the_alternatives(field, value):
+    """(Parametrised above; --lr-schedule below.)"""
     error = error_of(TrainOptions(**{field: value}))
     assert value in error.message and "," in error.message
 
@@ -210,8 +216,10 @@ ROUND_TRIPS = [
     TrainOptions(model="mlp", data="fake", image_size=16, num_classes=10, dataset_size=64, epochs=3, max_steps=7,
                  batch_size=4, lr=0.05, optimizer="adamw", weight_decay=0.0, amp="bf16", channels_last=True,
                  compile=True, grad_accum=2, sync_bn=True, workers=0, seed=123, checkpoint_dir="/tmp/ck dir",
-                 resume=True, save_every=2, metrics_json="m.json", log_interval=0.5, bucket_cap_mb=100.0,
-                 grad_compression="bf16", grad_allreduce="backend", static_graph=True, collective_timeout=30.0),
+                 resume=True, save_every="2epochs", metrics_json="m.json", log_interval=0.5, bucket_cap_mb=100.0,
+                 grad_compression="bf16", grad_allreduce="backend", static_graph=True, collective_timeout=30.0,
+                 lr_schedule="step", warmup_epochs=0.5, label_smoothing=0.0, clip_grad_norm=1.0, hflip=False),
+    TrainOptions(warmup_steps=100, save_every="500", lr_schedule="constant"),
     TrainOptions(data="-weird/path=with=equals", lr=1e-07, checkpoint_dir="--looks-like-a-flag"),
     TrainOptions(lr=0.1 + 0.2, bucket_cap_mb=1 / 3),
 ]
@@ -245,3 +253,75 @@ def test_options_module_does_not_import_torch():
             "print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_bad_lr_schedule_names_the_alternatives():
+    error = error_of(TrainOptions(lr_schedule="linear"))
+    assert "--lr-schedule 'linear'" in error.message and "cosine, step, constant" in error.message
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("lr", NAN, "--lr nan"), ("lr", INF, "--lr inf"),
+    ("weight_decay", NAN, "--weight-decay nan"), ("weight_decay", INF, "--weight-decay inf"),
+    ("log_interval", NAN, "--log-interval nan"), ("log_interval", INF, "--log-interval inf"),
+    ("bucket_cap_mb", NAN, "--bucket-cap-mb nan"), ("bucket_cap_mb", 1e9, "at most 100000"),
+    ("collective_timeout", NAN, "--collective-timeout nan"), ("collective_timeout", INF, "--collective-timeout inf"),
+    ("collective_timeout", 1e12, "at most 604800"),
+    ("label_smoothing", NAN, "--label-smoothing nan"), ("label_smoothing", 1.0, "below 1"),
+    ("label_smoothing", -0.1, "at least 0"),
+    ("clip_grad_norm", NAN, "--clip-grad-norm nan"), ("clip_grad_norm", 0.0, "greater than 0"),
+    ("warmup_epochs", NAN, "--warmup-epochs nan"), ("warmup_epochs", -1.0, "at least 0"),
+])
+def test_every_float_must_be_finite_and_in_range(field, value, needle):
+    error = error_of(TrainOptions(model="mlp", epochs=5, **{field: value}))
+    assert needle in error.message and "finite" in error.message
+
+
+def test_floats_from_the_command_line_too():
+    """What the user types reaches the same checks: `--lr nan` parses as a float, then is refused."""
+    for flag in ("--lr", "--log-interval", "--collective-timeout", "--bucket-cap-mb", "--weight-decay"):
+        for text in ("nan", "inf", "-inf"):
+            with pytest.raises(UsageError, match="finite"):
+                validate(parse_cli([f"{flag}={text}"]))
+
+
+def test_warmup_is_given_once_and_shorter_than_the_run():
+    assert "both" in error_of(TrainOptions(warmup_epochs=1.0, warmup_steps=10)).message
+    assert "--warmup-epochs 3 is not shorter" in error_of(TrainOptions(epochs=3, warmup_epochs=3.0)).message
+    validate(TrainOptions(epochs=3, warmup_epochs=2.5))
+    # synthetic data: the run's steps are known before any process starts (2048 / 2 / 32 = 32 a rank)
+    error = error_of(TrainOptions(epochs=2, warmup_steps=64), world_size=2)
+    assert "--warmup-steps 64 is not shorter than the run (64 steps" in error.message
+    validate(TrainOptions(epochs=2, warmup_steps=63), world_size=2)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("500", SaveEvery(500, "steps")), ("500steps", SaveEvery(500, "steps")), ("1step", SaveEvery(1, "steps")),
+    ("1epoch", SaveEvery(1, "epochs")), ("3epochs", SaveEvery(3, "epochs")), ("2 Epochs", SaveEvery(2, "epochs")),
+])
+def test_save_every_counts_steps_or_epochs(text, expected):
+    assert parse_save_every(text) == expected
+    assert TrainOptions(save_every=text).save_interval == expected
+
+
+def test_checkpoint_dir_under_a_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    error = error_of(TrainOptions(checkpoint_dir=str(tmp_path / "file" / "ck" / "deeper")))
+    assert "cannot be created" in error.message and str(tmp_path / "file") + " is a file" in error.message
+
+
+def test_checkpoint_dir_that_does_not_exist_yet_is_fine_and_not_created(tmp_path):
+    validate(TrainOptions(checkpoint_dir=str(tmp_path / "new" / "run")))
+    assert not (tmp_path / "new").exists()  # --dry-run runs these checks: they create nothing
+
+
+def test_data_folder_that_cannot_be_read(tmp_path, monkeypatch):
+    make_tree(tmp_path, {"train/cat": 1, "train/dog": 1})
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: real_access(path, mode)
+                        and not str(path).endswith("dog"))  # root reads anything: pretend it cannot
+    error = error_of(TrainOptions(data=str(tmp_path)))
+    assert str(tmp_path / "train" / "dog") + " is not readable" in error.message

@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 from conftest import ddprun_command
+from digits import write_digits_tree
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -194,18 +195,63 @@ def test_it_learns_on_an_image_folder_with_val_reduced_over_ranks(image_tree, tm
     assert "val accuracy" in result.stderr
 
 
-def test_stop_after_epoch_k_then_resume_equals_uninterrupted(image_tree, tmp_path):
-    """Random flips draw from the RNG, so exact equality also shows the RNG states were restored."""
-    base = IMAGES + ["--data", str(image_tree), "--workers", "1"]  # worker seeds come from the RNG too
-    ok(one_proc(base + ["--epochs", "3", "--checkpoint-dir", str(tmp_path / "straight")]))
-    ok(one_proc(base + ["--epochs", "2", "--checkpoint-dir", str(tmp_path / "stopped")]))
-    resumed = ok(one_proc(base + ["--epochs", "3", "--checkpoint-dir", str(tmp_path / "stopped"), "--resume"]))
-    assert "last.pt after epoch 2, step" in resumed.stderr and "epoch 3/3 done" in resumed.stderr
-    straight, again = weights(tmp_path / "straight"), weights(tmp_path / "stopped")
+def test_kill_after_epoch_2_of_4_then_resume_equals_uninterrupted(image_tree, tmp_path):
+    """SIGKILL once epoch 2's checkpoint is written; --resume ends with the uninterrupted run's weights.
+    Random flips draw from the RNG and the lr follows warmup + cosine, so exact equality also shows that
+    the RNG states and the schedule's state came back."""
+    base = IMAGES + ["--data", str(image_tree), "--workers", "1", "--epochs", "4"]  # worker seeds: RNG too
+    ok(one_proc(base + ["--checkpoint-dir", str(tmp_path / "straight")]))
+    killed = tmp_path / "killed"
+    job = subprocess.Popen([sys.executable] + WORKER + base + ["--checkpoint-dir", str(killed)], cwd=REPO,
+                           env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while job.poll() is None and time.monotonic() < deadline and not saved_epoch_at_least(killed, 2):
+            time.sleep(0.01)
+        job.kill()
+    finally:
+        job.wait()
+    stopped_at = torch.load(killed / "last.pt", weights_only=True)["epoch"]
+    assert 2 <= stopped_at < 4, "the run ended before it was killed: make its epochs longer"
+    resumed = ok(one_proc(base + ["--checkpoint-dir", str(killed), "--resume"]))
+    assert f"last.pt after epoch {stopped_at}, step" in resumed.stderr and "epoch 4/4 done" in resumed.stderr
+    straight, again = weights(tmp_path / "straight"), weights(killed)
     for name in straight:
         assert torch.equal(straight[name], again[name]), name
-    state = torch.load(tmp_path / "stopped" / "last.pt", weights_only=True)
-    assert state["epoch"] == 3 and state["args"]["epochs"] == 3 and set(state["rng"][0]) >= {"torch", "python"}
+    state = torch.load(killed / "last.pt", weights_only=True)
+    reference = torch.load(tmp_path / "straight" / "last.pt", weights_only=True)
+    assert state["schedule"] == reference["schedule"] and state["schedule"]["last_epoch"] == state["step"]
+    assert state["epoch"] == 4 and set(state["rng"][0]) >= {"torch", "python"}
+
+
+def saved_epoch_at_least(directory: Path, epoch: int) -> bool:
+    try:
+        return torch.load(directory / "last.pt", weights_only=True)["epoch"] >= epoch
+    except (FileNotFoundError, RuntimeError, EOFError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def digits_tree(tmp_path_factory) -> Path:
+    pytest.importorskip("sklearn", reason="the digits set ships with scikit-learn: pip install -e '.[test]'")
+    return write_digits_tree(tmp_path_factory.mktemp("digits"))
+
+
+def test_defaults_learn_a_real_image_set_to_95_percent(digits_tree, tmp_path):
+    """scikit-learn's handwritten digits (1442 train, 355 val, 10 classes, 16x16), 2 processes, the default
+    recipe for 8 epochs. --no-hflip is what this data set needs: a mirrored digit is another glyph."""
+    metrics_path = tmp_path / "metrics.json"
+    result = ok(two_procs(["--data", str(digits_tree), "--model", "cnn", "--image-size", "16", "--epochs", "8",
+                           "--no-hflip", "--checkpoint-dir", str(tmp_path / "ck"),
+                           "--metrics-json", str(metrics_path)]))
+    metrics = json.loads(metrics_path.read_text())
+    curve = [epoch["val_accuracy"] for epoch in metrics["history"]]
+    assert metrics["val_samples"] == 355 and len(curve) == 8
+    assert metrics["val_accuracy"] >= 0.95, (curve, result.stderr[-2000:])
+    assert metrics["history"][-1]["lr"] == 0.0 and metrics["history"][0]["lr"] > metrics["history"][3]["lr"]
+    best = torch.load(tmp_path / "ck" / "best.pt", weights_only=True)
+    assert best["best_val_accuracy"] == max(curve) == metrics["best_val_accuracy"]
+    assert best["epoch"] == 1 + curve.index(max(curve))  # the first epoch that reached it
 
 
 def test_resume_from_a_corrupt_checkpoint_exits_2_naming_the_file(tmp_path):

@@ -4,7 +4,8 @@
 renames it over the target with `os.replace` and fsyncs the directory, so the
 target is always either the previous complete checkpoint or the new one.
 Everything stored is tensors, plain containers and primitives, so `torch.load`
-never needs to unpickle arbitrary objects.
+never needs to unpickle arbitrary objects. `load_checkpoint` checks the whole structure (keys,
+types, lengths) before anything uses it, and names the first thing that is wrong.
 """
 
 from __future__ import annotations
@@ -12,14 +13,17 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import pickle
 import random
+import re
 import tempfile
 from typing import Any, Optional
 
 import torch
 
-FORMAT_VERSION = 1
-REQUIRED_KEYS = ("format", "model", "optimizer", "epoch", "batch_in_epoch", "step", "rng", "args")
+FORMAT_VERSION = 2  # 2: the lr schedule's state and the best validation accuracy
+REQUIRED_KEYS = ("format", "model", "optimizer", "scaler", "schedule", "epoch", "batch_in_epoch", "step",
+                 "world_size", "rng", "args", "best_val_accuracy")
 
 
 class CheckpointError(Exception):
@@ -67,14 +71,100 @@ def load_checkpoint(path: str) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"no checkpoint at {path}") from None
+    except pickle.UnpicklingError as error:
+        if "weights only" not in str(error).lower():
+            raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({_first_line(error)})") from None
+        # torch's own message advises turning weights_only off: wrong for a file that may not be ours.
+        raise CheckpointError(f"checkpoint {path} holds Python objects a safe load refuses: "
+                              f"{refused_globals(path, error)}; ddprun never loads a checkpoint that could "
+                              f"run code, so use one written by ddprun train") from None
     except Exception as error:  # torch raises many types for truncated or foreign files
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({reason})") from None
+        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({_first_line(error)})") from None
+    check_contents(state, path=path)
+    return state
+
+
+def _first_line(error: Exception) -> str:
+    """The first sentence of an error: torch follows it with paragraphs of advice."""
+    text = str(error).strip()
+    return text.splitlines()[0].split(". ")[0].rstrip(".") if text else type(error).__name__
+
+
+def refused_globals(path: str, error: Exception) -> str:
+    """The globals (module.name) in the pickle that weights_only does not allow, as one string."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # a file too damaged to scan: fall back on the name in torch's message
+        names = re.findall(r"GLOBAL ([\w.]+)", str(error))
+    return ", ".join(names) if names else "an object of unknown type"
+
+
+# The type of every top-level entry, and of the `args` entries the trainer reads back.
+_TOP_TYPES = {"format": int, "model": dict, "optimizer": dict, "scaler": (dict, type(None)), "schedule": dict,
+              "epoch": int, "batch_in_epoch": int, "step": int, "world_size": int, "rng": list, "args": dict,
+              "best_val_accuracy": (float, type(None))}
+_ARGS_TYPES = {"model": str, "optimizer": str, "image_size": int}
+_RNG_TYPES = {"torch": torch.Tensor, "python": torch.Tensor, "python_version": int,
+              "python_gauss": (float, type(None))}
+_TYPE_NAMES = {int: "an int", float: "a float", str: "a str", dict: "a dict", list: "a list",
+               torch.Tensor: "a tensor", type(None): "None"}
+
+
+def check_contents(state: Any, *, path: str) -> None:
+    """CheckpointError naming the first key, type, length or value that a trainer checkpoint cannot have."""
     if not isinstance(state, dict) or any(key not in state for key in REQUIRED_KEYS):
-        raise CheckpointError(f"{path} is not a ddprun train checkpoint (missing keys)")
+        missing = [key for key in REQUIRED_KEYS if key not in state] if isinstance(state, dict) else []
+        detail = f"missing keys: {', '.join(missing)}" if missing else f"it holds {_type_name(state)}"
+        raise CheckpointError(f"{path} is not a ddprun train checkpoint ({detail})")
     if state["format"] != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {state['format']}, expected {FORMAT_VERSION}")
-    return state
+    _check_types(state, _TOP_TYPES, where="", path=path)
+    for name in ("epoch", "batch_in_epoch", "step"):
+        if state[name] < 0:
+            raise CheckpointError(f"checkpoint {path}: {name} is {state[name]}, it cannot be negative")
+    _check_types(state["args"], _ARGS_TYPES, where="args.", path=path)
+    _check_model_and_optimizer(state, path=path)
+    _check_rng(state, path=path)
+
+
+def _check_types(mapping: dict, types: dict, *, where: str, path: str) -> None:
+    for key, expected in types.items():
+        if key not in mapping:
+            raise CheckpointError(f"checkpoint {path}: {where}{key} is missing")
+        value = mapping[key]
+        kinds = expected if isinstance(expected, tuple) else (expected,)
+        if isinstance(value, bool) or not isinstance(value, kinds):  # a bool is an int to isinstance
+            wanted = " or ".join(_TYPE_NAMES[kind] for kind in kinds)
+            raise CheckpointError(f"checkpoint {path}: {where}{key} is {_type_name(value)}, expected {wanted}")
+
+
+def _type_name(value: Any) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _check_model_and_optimizer(state: dict, *, path: str) -> None:
+    for name, tensor in state["model"].items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"checkpoint {path}: model entry {name!r} is {_type_name(tensor)}, "
+                                  f"expected a tensor")
+    optimizer = state["optimizer"]
+    if not isinstance(optimizer.get("state"), dict) or not isinstance(optimizer.get("param_groups"), list) \
+            or not all(isinstance(group, dict) for group in optimizer["param_groups"]):
+        raise CheckpointError(f"checkpoint {path}: optimizer is not an optimizer state "
+                              f"(expected a dict with state and a list of param_groups)")
+    schedule = state["schedule"]
+    if isinstance(schedule.get("last_epoch"), bool) or not isinstance(schedule.get("last_epoch"), int):
+        raise CheckpointError(f"checkpoint {path}: schedule is not an lr scheduler state (no last_epoch step)")
+
+
+def _check_rng(state: dict, *, path: str) -> None:
+    if len(state["rng"]) != state["world_size"]:
+        raise CheckpointError(f"checkpoint {path}: rng holds {len(state['rng'])} states for world size "
+                              f"{state['world_size']}")
+    for rank, rng in enumerate(state["rng"]):
+        if not isinstance(rng, dict):
+            raise CheckpointError(f"checkpoint {path}: rng[{rank}] is {_type_name(rng)}, expected a dict")
+        _check_types(rng, _RNG_TYPES, where=f"rng[{rank}].", path=path)
 
 
 def capture_rng() -> dict:

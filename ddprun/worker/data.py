@@ -140,19 +140,21 @@ def build_data(opts: TrainOptions, *, rank: int, world_size: int, placement: Pla
         )
         return TrainData(train=LoaderSource(dataset, opts=opts, **shard), val=None, num_classes=num_classes)
     train_root, val_root = image_folder_roots(opts.data)
-    train_set = torchvision.datasets.ImageFolder(train_root, transform=_transform(opts.image_size, train=True))
+    train_set = torchvision.datasets.ImageFolder(train_root, transform=_transform(opts.image_size, flip=opts.hflip))
     val = None
     if val_root is not None:
-        val_set = torchvision.datasets.ImageFolder(val_root, transform=_transform(opts.image_size, train=False))
+        val_set = torchvision.datasets.ImageFolder(val_root, transform=_transform(opts.image_size, flip=False))
         val = ValSource(val_set, opts=opts, **shard)
     return TrainData(train=LoaderSource(train_set, opts=opts, **shard), val=val, num_classes=len(train_set.classes))
 
 
-def _transform(image_size: int, *, train: bool):
+def _transform(image_size: int, *, flip: bool):
+    """Resize and centre-crop; training images are also flipped at random unless --no-hflip (the reference
+    recipe flips; digits, text or road signs are not mirror-symmetric and learn better without it)."""
     from torchvision import transforms
 
     steps = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
-    if train:
+    if flip:
         steps.append(transforms.RandomHorizontalFlip())
     steps += [transforms.ToTensor(), transforms.Normalize(_MEAN, _STD)]
     return transforms.Compose(steps)

@@ -39,6 +39,11 @@ class RunSummary:
     device: str
     grad_allreduce: str  # "shm" (shared memory), or the backend that all-reduced: "gloo" | "nccl"
     resumed_from_step: Optional[int]
+    best_val_accuracy: Optional[float] = None  # best over the epochs (best.pt holds those weights)
+    first_step_loss: Optional[float] = None  # rank 0's training loss at step 1, when this run trained it
+    last_step_loss: Optional[float] = None  # rank 0's training loss at the last step
+    # One record per epoch run: {"epoch", "step", "loss" (mean over ranks), "val_accuracy", "lr" (at its end)}
+    history: tuple = ()
 
 
 def write_metrics(summary: RunSummary, path: str) -> None:
@@ -123,13 +128,15 @@ class Reporter:
               f"{self._speed(step, now):,.1f} samples/s eta {eta}", file=self._stream, flush=True)
 
     def end_epoch(self, epoch: int, *, loss: Optional[float], val_accuracy: Optional[float],
-                  stopped_at: Optional[int] = None) -> None:
+                  stopped_at: Optional[int] = None, lr: Optional[float] = None) -> None:
         done = "done" if stopped_at is None else f"stopped at step {stopped_at} (--max-steps)"
         parts = [f"epoch {epoch + 1}/{self._epochs} {done}"]
         if loss is not None:
             parts.append(f"loss {loss:.4f}")
         if val_accuracy is not None:
             parts.append(f"val accuracy {val_accuracy:.2%}")
+        if lr is not None:
+            parts.append(f"lr {lr:.3g}")
         self.note(", ".join(parts))
 
     def note(self, message: str) -> None:
@@ -154,7 +161,7 @@ class NullReporter:
     def start_epoch(self, epoch: int) -> None: ...
     def step(self, step: int, loss: Callable[[], float]) -> None: ...
     def end_epoch(self, epoch: int, *, loss: Optional[float], val_accuracy: Optional[float],
-                  stopped_at: Optional[int] = None) -> None: ...
+                  stopped_at: Optional[int] = None, lr: Optional[float] = None) -> None: ...
     def note(self, message: str) -> None: ...
     def close(self) -> None: ...
     def summary(self, summary: RunSummary) -> None: ...
@@ -180,6 +187,8 @@ def summary_table(s: RunSummary) -> Table:
         (memory, f"{s.peak_memory_bytes / 2**20:,.0f} MiB"),
         ("gradient all-reduce", "shared memory" if s.grad_allreduce == "shm" else s.grad_allreduce),
     ]
+    if s.best_val_accuracy is not None:
+        rows.append(("best val accuracy", _fmt(s.best_val_accuracy, ".2%")))
     if s.resumed_from_step is not None:
         rows.append(("resumed from step", str(s.resumed_from_step)))
     for name, value in rows:

@@ -33,13 +33,14 @@ from ddprun.worker.checkpoint import (
 from ddprun.worker.data import Batch, Placement, TrainData, build_data
 from ddprun.worker.models import build_model
 from ddprun.worker.progress import NullReporter, Reporter, RunSummary, write_metrics
+from ddprun.worker import schedule
 from ddprun.worker.shm_allreduce import SharedMemoryUnavailable, ShmAllreduce, capacity_for, shm_allreduce_hook
-from ddprun.train_options import TrainOptions, from_argv, validate
+from ddprun.train_options import TrainOptions, check_warmup_steps, from_argv, validate
 
 T = TypeVar("T")
 
 # Checkpoint args that must match for the saved weights and optimizer state to fit.
-_SHAPE_ARGS = ("model", "optimizer")
+_SHAPE_ARGS = ("model", "optimizer", "image_size")
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class Components:
     data: TrainData
     grads_in_buckets: bool  # .grad tensors are views into DDP's buckets: zero them in place, never drop them
     grad_allreduce: str  # "shm", or the backend that all-reduces the gradients
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    label_smoothing: float
+    clip_grad_norm: Optional[float]
 
     def autocast(self):
         if self.amp_dtype is None:
@@ -105,7 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         device = pick_device(env)
         store = init_distributed(opts, env=env, device=device)
         return run(opts, env=env, device=device, store=store, checkpoint=checkpoint, began=began)
-    except UsageError as error:
+    except (UsageError, CheckpointError) as error:
         return _bad_input(error, env=env)
     finally:
         if dist.is_initialized():
@@ -117,10 +121,10 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def _bad_input(error: Exception, *, env: DistEnv) -> int:
-    if env.rank == 0:
-        print(f"ddprun train: error: {getattr(error, 'message', error)}", file=sys.stderr)
-        if getattr(error, "hint", None):
-            print(f"  hint: {error.hint}", file=sys.stderr)
+    """Every rank says it: the failure panel shows whichever rank exits first, not always rank 0."""
+    print(f"ddprun train: error: {getattr(error, 'message', error)}", file=sys.stderr)
+    if getattr(error, "hint", None):
+        print(f"  hint: {error.hint}", file=sys.stderr)
     return 2
 
 
@@ -134,9 +138,9 @@ def initial_checkpoint(opts: TrainOptions, *, env: DistEnv) -> Optional[dict]:
         return None
     state = load_checkpoint(path)
     for name in _SHAPE_ARGS:
-        if state["args"].get(name) != getattr(opts, name):
+        if state["args"][name] != getattr(opts, name):
             raise CheckpointError(f"checkpoint {path} was written with --{name.replace('_', '-')} "
-                                  f"{state['args'].get(name)}, this run has {getattr(opts, name)}")
+                                  f"{state['args'][name]}, this run has {getattr(opts, name)}")
     return state
 
 
@@ -219,7 +223,7 @@ def seed_everything(seed: int) -> None:
 
 
 def build_components(opts: TrainOptions, *, env: DistEnv, data: TrainData, device: torch.device,
-                     reporter) -> Components:
+                     steps: "StepPlan", reporter) -> Components:
     seed_everything(opts.seed)  # identical initial weights on every rank
     raw = build_model(opts.model, num_classes=data.num_classes, image_size=opts.image_size)
     if opts.sync_bn and device.type == "cuda":
@@ -230,13 +234,20 @@ def build_components(opts: TrainOptions, *, env: DistEnv, data: TrainData, devic
     ddp = wrap_ddp(raw, opts=opts, device=device, world_size=env.world_size)
     grad_allreduce = attach_allreduce(ddp, opts=opts, env=env, device=device, reporter=reporter)
     forward = torch.compile(ddp) if opts.compile else ddp
-    optimizer = build_optimizer(opts, raw.parameters())
+    optimizer = build_optimizer(opts, raw.parameters(), global_batch=global_batch(opts, env))
+    scheduler = schedule.build_scheduler(optimizer, kind=opts.lr_schedule, warmup=steps.warmup,
+                                         horizon=steps.horizon)
     use_scaler = opts.amp == "fp16"
     scaler = torch.amp.GradScaler(device.type) if use_scaler else None
     amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[opts.amp]
     return Components(raw=raw, ddp=ddp, forward=forward, optimizer=optimizer, scaler=scaler,
                       amp_dtype=amp_dtype, device=device, data=data, grads_in_buckets=grads_in_buckets(device),
-                      grad_allreduce=grad_allreduce)
+                      grad_allreduce=grad_allreduce, scheduler=scheduler, label_smoothing=opts.label_smoothing,
+                      clip_grad_norm=opts.clip_grad_norm)
+
+
+def global_batch(opts: TrainOptions, env: DistEnv) -> int:
+    return env.world_size * opts.batch_size * opts.grad_accum
 
 
 def wrap_ddp(raw: nn.Module, *, opts: TrainOptions, device: torch.device, world_size: int) -> DDP:
@@ -327,14 +338,12 @@ def grads_in_buckets(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def build_optimizer(opts: TrainOptions, parameters) -> torch.optim.Optimizer:
+def build_optimizer(opts: TrainOptions, parameters, *, global_batch: int) -> torch.optim.Optimizer:
+    lr = schedule.learning_rate(opts, global_batch=global_batch)
+    decay = schedule.weight_decay(opts)
     if opts.optimizer == "adamw":
-        lr = 1e-3 if opts.lr is None else opts.lr
-        decay = 0.01 if opts.weight_decay is None else opts.weight_decay
         return torch.optim.AdamW(parameters, lr=lr, weight_decay=decay)
-    lr = 0.1 if opts.lr is None else opts.lr
-    decay = 0.0 if opts.weight_decay is None else opts.weight_decay
-    return torch.optim.SGD(parameters, lr=lr, momentum=0.9, weight_decay=decay)
+    return torch.optim.SGD(parameters, lr=lr, momentum=schedule.SGD_MOMENTUM, weight_decay=decay)
 
 
 def train_step(c: Components, micro_batches: Sequence[Batch]) -> torch.Tensor:
@@ -345,15 +354,20 @@ def train_step(c: Components, micro_batches: Sequence[Batch]) -> torch.Tensor:
         last = index == count - 1
         with contextlib.nullcontext() if last else c.ddp.no_sync():
             with c.autocast():
-                loss = F.cross_entropy(c.forward(images), labels)
+                loss = F.cross_entropy(c.forward(images), labels, label_smoothing=c.label_smoothing)
             scaled = loss if count == 1 else loss / count
             (scaled if c.scaler is None else c.scaler.scale(scaled)).backward()
         total = loss.detach() if total is None else total + loss.detach()
+    if c.clip_grad_norm is not None:
+        if c.scaler is not None:
+            c.scaler.unscale_(c.optimizer)  # clip the true gradients, not the loss-scaled ones
+        nn.utils.clip_grad_norm_(c.raw.parameters(), c.clip_grad_norm)
     if c.scaler is None:
         c.optimizer.step()
     else:
         c.scaler.step(c.optimizer)
         c.scaler.update()
+    c.scheduler.step()
     # With bucket views, zeroing in place keeps each .grad aliased to its bucket (no copy next step).
     c.optimizer.zero_grad(set_to_none=not c.grads_in_buckets)
     return total if count == 1 else total / count
@@ -393,8 +407,9 @@ class StepClock:
 
 
 def run_epoch(c: Components, pos: Position, *, opts: TrainOptions, total_steps: int, clock: StepClock,
-              reporter) -> tuple[torch.Tensor, int]:
-    """Train from `pos` to the end of its epoch or to `total_steps`; returns (sum of step losses, steps)."""
+              reporter, after_step: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, int]:
+    """Train from `pos` to the end of its epoch or to `total_steps`; returns (sum of step losses, steps).
+    `after_step(loss)` runs after each step (step-interval checkpoints: every rank calls it alike)."""
     accum = opts.grad_accum
     steps_in_epoch = c.data.train.batches_per_epoch // accum
     batches = c.data.train.batches(pos.epoch, skip=pos.batch_in_epoch)
@@ -408,11 +423,12 @@ def run_epoch(c: Components, pos: Position, *, opts: TrainOptions, total_steps: 
         count += 1
         pos.step += 1
         pos.batch_in_epoch += accum
+        if pos.batch_in_epoch >= steps_in_epoch * accum:
+            pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
         clock.tick()
         reporter.step(pos.step, loss.item)
+        after_step(loss)
     clock.end()
-    if pos.batch_in_epoch >= steps_in_epoch * accum:
-        pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
     return loss_sum, count
 
 
@@ -440,31 +456,50 @@ def evaluate(c: Components) -> tuple[Optional[float], int]:
     return (correct / total if total else None), int(total)
 
 
-def save_checkpoint(c: Components, pos: Position, *, opts: TrainOptions, env: DistEnv) -> None:
-    """Rank 0 writes last.pt atomically with every rank's RNG state; all ranks wait for it."""
+def save_checkpoint(c: Components, pos: Position, *, opts: TrainOptions, env: DistEnv,
+                    best_val_accuracy: Optional[float], paths: Sequence[str]) -> None:
+    """Rank 0 writes each of `paths` atomically with every rank's RNG state; all ranks wait for it."""
     rng_states = _all_gather(capture_rng())
     if env.rank == 0:
         state = {
             "format": FORMAT_VERSION, "model": c.raw.state_dict(), "optimizer": c.optimizer.state_dict(),
-            "scaler": None if c.scaler is None else c.scaler.state_dict(),
+            "scaler": None if c.scaler is None else c.scaler.state_dict(), "schedule": c.scheduler.state_dict(),
             "epoch": pos.epoch, "batch_in_epoch": pos.batch_in_epoch, "step": pos.step,
             "world_size": env.world_size, "rng": rng_states, "args": dataclasses.asdict(opts),
+            "best_val_accuracy": best_val_accuracy,
         }
-        save_atomic(state, opts.checkpoint_path)
+        for path in paths:
+            save_atomic(state, path)
     dist.barrier()
 
 
+def check_fits(model: nn.Module, checkpoint: dict, *, path: str) -> None:
+    """CheckpointError naming the first weight this run's model lacks, does not know, or shapes otherwise."""
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    saved = {name: tuple(tensor.shape) for name, tensor in checkpoint["model"].items()}
+    for name in expected:
+        if name not in saved:
+            raise CheckpointError(f"checkpoint {path} has no weight {name!r} for this run's {checkpoint['args']['model']}")
+        if saved[name] != expected[name]:
+            raise CheckpointError(f"checkpoint {path}: weight {name!r} has shape {list(saved[name])}, this run's "
+                                  f"model needs {list(expected[name])} (another --num-classes or --image-size?)")
+    extra = sorted(set(saved) - set(expected))
+    if extra:
+        raise CheckpointError(f"checkpoint {path} has weight {extra[0]!r}, which this run's model does not have")
+
+
 def restore(c: Components, checkpoint: dict, *, opts: TrainOptions, env: DistEnv) -> Position:
+    check_fits(c.raw, checkpoint, path=opts.checkpoint_path)
+    c.raw.load_state_dict(checkpoint["model"])
     try:
-        c.raw.load_state_dict(checkpoint["model"])
         c.optimizer.load_state_dict(checkpoint["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as error:
+        c.scheduler.load_state_dict(checkpoint["schedule"])
+        if c.scaler is not None and checkpoint["scaler"]:
+            c.scaler.load_state_dict(checkpoint["scaler"])
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"checkpoint {opts.checkpoint_path} does not fit this run's model: {first}",
-                         hint="resume with the options the checkpoint was written with "
-                              "(--model, --num-classes, --image-size)") from None
-    if c.scaler is not None and checkpoint.get("scaler"):
-        c.scaler.load_state_dict(checkpoint["scaler"])
+        raise CheckpointError(f"checkpoint {opts.checkpoint_path}: its optimizer, lr schedule or scaler state "
+                              f"does not fit this run: {first}") from None
     if checkpoint["world_size"] == env.world_size:
         restore_rng(checkpoint["rng"][env.rank])
     else:  # another world size: RNG streams cannot continue exactly; stay deterministic
@@ -482,8 +517,16 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     return int(peak.item()), kind
 
 
-def plan_steps(opts: TrainOptions, *, data: TrainData, world_size: int) -> tuple[int, int]:
-    """(optimizer steps per epoch, total steps); UsageError when an epoch holds no full step."""
+@dataclass(frozen=True)
+class StepPlan:
+    per_epoch: int  # optimizer steps per epoch
+    total: int  # steps this run trains to: --epochs, or --max-steps when that comes first
+    horizon: int  # the lr schedule's length: --epochs x per_epoch (--max-steps stops early, it does not rescale)
+    warmup: int  # linear warmup steps at the start of the schedule
+
+
+def plan_steps(opts: TrainOptions, *, data: TrainData, world_size: int) -> StepPlan:
+    """The run's step counts; UsageError when an epoch holds no full step or the warmup fills the run."""
     per_epoch = data.train.batches_per_epoch // opts.grad_accum
     if per_epoch == 0:
         raise UsageError(
@@ -491,28 +534,31 @@ def plan_steps(opts: TrainOptions, *, data: TrainData, world_size: int) -> tuple
             f" x --grad-accum {opts.grad_accum} is more than one epoch holds",
             hint="use a smaller --batch-size or --grad-accum, or more data",
         )
-    total = opts.epochs * per_epoch
-    return per_epoch, total if opts.max_steps is None else min(total, opts.max_steps)
+    horizon = opts.epochs * per_epoch
+    check_warmup_steps(opts, schedule_steps=horizon)
+    return StepPlan(per_epoch=per_epoch, total=horizon if opts.max_steps is None else min(horizon, opts.max_steps),
+                    horizon=horizon, warmup=schedule.warmup_steps(opts, per_epoch=per_epoch, horizon=horizon))
 
 
 def run(opts: TrainOptions, *, env: DistEnv, device: torch.device, store: dist.Store, checkpoint: Optional[dict],
         began: float) -> int:
     placement = Placement(device=device, channels_last=opts.channels_last)
     data = build_data(opts, rank=env.rank, world_size=env.world_size, placement=placement)
-    per_epoch, total_steps = plan_steps(opts, data=data, world_size=env.world_size)
+    steps = plan_steps(opts, data=data, world_size=env.world_size)
     reporter = NullReporter()
     if env.rank == 0:
-        reporter = Reporter(total_steps=total_steps, start_step=checkpoint["step"] if checkpoint else 0,
-                            epochs=opts.epochs, global_batch=env.world_size * opts.batch_size * opts.grad_accum,
-                            log_interval=opts.log_interval)
+        reporter = Reporter(total_steps=steps.total, start_step=checkpoint["step"] if checkpoint else 0,
+                            epochs=opts.epochs, global_batch=global_batch(opts, env), log_interval=opts.log_interval)
     try:
-        _announce(opts, env=env, device=device, per_epoch=per_epoch, total_steps=total_steps, reporter=reporter)
+        _announce(opts, env=env, device=device, steps=steps, reporter=reporter)
 
         def setup_and_train() -> tuple[Components, Position, LoopOutcome]:
-            c = build_components(opts, env=env, data=data, device=device, reporter=reporter)
+            c = build_components(opts, env=env, data=data, device=device, steps=steps, reporter=reporter)
             pos = _start_position(c, checkpoint, opts=opts, env=env, reporter=reporter)
             ready_barrier(opts, device=device)
-            return c, pos, train_loop(c, pos, opts=opts, env=env, total_steps=total_steps, reporter=reporter)
+            best = checkpoint["best_val_accuracy"] if checkpoint else None
+            return c, pos, train_loop(c, pos, opts=opts, env=env, total_steps=steps.total, reporter=reporter,
+                                      best_val_accuracy=best)
 
         c, pos, outcome = name_silent_ranks(setup_and_train, opts=opts, env=env, device=device, store=store)
     finally:
@@ -542,15 +588,19 @@ def _start_position(c: Components, checkpoint: Optional[dict], *, opts: TrainOpt
     return pos
 
 
-def _announce(opts: TrainOptions, *, env: DistEnv, device: torch.device, per_epoch: int, total_steps: int,
-              reporter) -> None:
+def _announce(opts: TrainOptions, *, env: DistEnv, device: torch.device, steps: StepPlan, reporter) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     accumulation = f" x {opts.grad_accum} accumulation" if opts.grad_accum > 1 else ""
+    lr = schedule.learning_rate(opts, global_batch=global_batch(opts, env))
     reporter.note(
         f"ddprun train: {opts.model} on {opts.data} data, {env.world_size} process(es) x batch {opts.batch_size}"
-        f"{accumulation} = {env.world_size * opts.batch_size * opts.grad_accum} global, {backend} on "
-        f"{device.type}, {per_epoch} steps/epoch, {total_steps} steps in total"
+        f"{accumulation} = {global_batch(opts, env)} global, {backend} on "
+        f"{device.type}, {steps.per_epoch} steps/epoch, {steps.total} steps in total"
     )
+    reporter.note(f"recipe: {opts.optimizer} lr {lr:g}, {steps.warmup} warmup steps then {opts.lr_schedule} "
+                  f"over {steps.horizon}, weight decay {schedule.weight_decay(opts):g}, label smoothing "
+                  f"{opts.label_smoothing:g}" + (f", gradient norm clipped at {opts.clip_grad_norm:g}"
+                                                 if opts.clip_grad_norm is not None else ""))
 
 
 @dataclass
@@ -560,28 +610,66 @@ class LoopOutcome:
     val_samples: int = 0
     epochs_run: int = 0
     clock: Optional[StepClock] = None
+    best_val_accuracy: Optional[float] = None  # over the whole run, resumed parts included
+    first_step_loss: Optional[float] = None  # rank 0's loss at step 1, when this run trained it
+    last_step: Optional[torch.Tensor] = None  # rank 0's loss at the last step trained
+    history: list = dataclasses.field(default_factory=list)  # one record per epoch run
+    save_due: bool = False  # a step interval ended with an epoch: saved after that epoch's evaluation
 
 
 def train_loop(c: Components, pos: Position, *, opts: TrainOptions, env: DistEnv, total_steps: int,
-               reporter) -> LoopOutcome:
-    outcome = LoopOutcome(clock=StepClock(warmup=min(5, (total_steps - pos.step) // 5), device=c.device))
+               reporter, best_val_accuracy: Optional[float] = None) -> LoopOutcome:
+    outcome = LoopOutcome(clock=StepClock(warmup=min(5, (total_steps - pos.step) // 5), device=c.device),
+                          best_val_accuracy=best_val_accuracy)
     if pos.epoch >= opts.epochs or pos.step >= total_steps:
         reporter.note(f"nothing to train: the checkpoint is at epoch {pos.epoch}, step {pos.step} "
                       f"(raise --epochs or --max-steps to continue)")
+
+    def after_step(loss: torch.Tensor) -> None:
+        if pos.step == 1:
+            outcome.first_step_loss = loss.item()
+        outcome.last_step = loss
+        if opts.checkpoint_dir and opts.save_interval.unit == "steps" and pos.step % opts.save_interval.count == 0:
+            if pos.batch_in_epoch == 0:  # evaluation draws random numbers too: save after it, as a resume would
+                outcome.save_due = True
+            else:
+                save_checkpoint(c, pos, opts=opts, env=env, best_val_accuracy=outcome.best_val_accuracy,
+                                paths=[opts.checkpoint_path])
+
     while pos.epoch < opts.epochs and pos.step < total_steps:
         epoch = pos.epoch
         reporter.start_epoch(epoch)
         loss_sum, count = run_epoch(c, pos, opts=opts, total_steps=total_steps, clock=outcome.clock,
-                                    reporter=reporter)
-        outcome.final_loss = mean_over_ranks(loss_sum, count)
-        outcome.val_accuracy, outcome.val_samples = evaluate(c)
-        outcome.epochs_run += 1
-        reporter.end_epoch(epoch, loss=outcome.final_loss, val_accuracy=outcome.val_accuracy,
-                           stopped_at=None if pos.epoch > epoch else pos.step)
-        finished = pos.epoch >= opts.epochs or pos.step >= total_steps
-        if opts.checkpoint_dir and (finished or pos.epoch % opts.save_every == 0):
-            save_checkpoint(c, pos, opts=opts, env=env)
+                                    reporter=reporter, after_step=after_step)
+        end_of_epoch(c, pos, outcome, epoch=epoch, loss=mean_over_ranks(loss_sum, count), opts=opts, env=env,
+                     total_steps=total_steps, reporter=reporter)
     return outcome
+
+
+def end_of_epoch(c: Components, pos: Position, outcome: LoopOutcome, *, epoch: int, loss: Optional[float],
+                 opts: TrainOptions, env: DistEnv, total_steps: int, reporter) -> None:
+    """Evaluate, report, and write last.pt when due and best.pt when validation accuracy improved."""
+    outcome.final_loss = loss
+    outcome.val_accuracy, outcome.val_samples = evaluate(c)
+    outcome.epochs_run += 1
+    lr = c.scheduler.get_last_lr()[0]
+    outcome.history.append({"epoch": epoch + 1, "step": pos.step, "loss": loss,
+                            "val_accuracy": outcome.val_accuracy, "lr": lr})
+    reporter.end_epoch(epoch, loss=loss, val_accuracy=outcome.val_accuracy, lr=lr,
+                       stopped_at=None if pos.epoch > epoch else pos.step)
+    improved = outcome.val_accuracy is not None and (outcome.best_val_accuracy is None
+                                                     or outcome.val_accuracy > outcome.best_val_accuracy)
+    if improved:
+        outcome.best_val_accuracy = outcome.val_accuracy
+    if not opts.checkpoint_dir:
+        return
+    every = opts.save_interval
+    due = (pos.epoch >= opts.epochs or pos.step >= total_steps or outcome.save_due
+           or (every.unit == "epochs" and pos.batch_in_epoch == 0 and pos.epoch % every.count == 0))
+    outcome.save_due = False
+    paths = ([opts.checkpoint_path] if due else []) + ([opts.best_checkpoint_path] if improved else [])
+    if paths:
+        save_checkpoint(c, pos, opts=opts, env=env, best_val_accuracy=outcome.best_val_accuracy, paths=paths)
 
 
 def _summarize(c: Components, pos: Position, outcome: LoopOutcome, *, opts: TrainOptions, env: DistEnv,
@@ -599,6 +687,9 @@ def _summarize(c: Components, pos: Position, outcome: LoopOutcome, *, opts: Trai
         val_accuracy=outcome.val_accuracy, val_samples=outcome.val_samples, peak_memory_bytes=memory,
         peak_memory_kind=kind, model=opts.model, device=c.device.type, grad_allreduce=c.grad_allreduce,
         resumed_from_step=checkpoint["step"] if checkpoint else None,
+        best_val_accuracy=outcome.best_val_accuracy, first_step_loss=outcome.first_step_loss,
+        last_step_loss=None if outcome.last_step is None else outcome.last_step.item(),
+        history=tuple(outcome.history),
     )
 
 
