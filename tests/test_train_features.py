@@ -108,6 +108,8 @@ def test_too_little_data_for_one_step_exits_2(tmp_path, capsys):
     dict(model="cnn", optimizer="adamw", grad_compression="fp16", static_graph=True, bucket_cap_mb=1.0),
     dict(model="cnn", grad_compression="bf16", sync_bn=True),
     dict(model="cnn", grad_compression="powersgd"),
+    dict(model="cnn", amp="fp16", clip_grad_norm=0.5, lr_schedule="step", label_smoothing=0.0),
+    dict(model="mlp", optimizer="adamw", clip_grad_norm=1.0, lr_schedule="constant", warmup_steps=0),
 ])
 def test_speed_options_train(tmp_path, capsys, options):
     metrics = tmp_path / "m.json"
