@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ddprun import cluster, devices, preflight, torch_internals, runfolders
+from ddprun import cluster, devices, preflight, torch_internals, torchrun_compat, runfolders
 from ddprun.errors import DdprunError, UsageError
 from ddprun.plan import DEFAULT_GRACE_PERIOD_S, Entrypoint, LaunchOptions, LaunchPlan, build_plan
 
@@ -28,7 +28,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-stderr = Console(stderr=True, highlight=False)
+stderr = Console(stderr=True, highlight=False, emoji=False)  # user text stays literal: ":x:" is no emoji
 
 PASSTHROUGH = {"allow_interspersed_args": False, "ignore_unknown_options": True}
 
@@ -36,50 +36,112 @@ PASSTHROUGH = {"allow_interspersed_args": False, "ignore_unknown_options": True}
 
 Gpus = Annotated[Optional[str], typer.Option("--gpus", metavar="N|all|0,2", envvar="DDPRUN_GPUS", help="GPUs to use: a count N (the first N visible), 'all', or ordinals among the visible GPUs like 0,2. Default: all visible GPUs. The flag wins over DDPRUN_GPUS.", show_default=False)]
 Cpu = Annotated[bool, typer.Option("--cpu", help="Run CPU processes on gloo, even where GPUs exist.")]
-Nproc = Annotated[Optional[str], typer.Option("--nproc", metavar="N", envvar="DDPRUN_NPROC", help="Processes per node. Default: the number of selected GPUs, or 2 on CPU.", show_default=False)]
-Port = Annotated[Optional[str], typer.Option("--port", metavar="PORT", envvar="DDPRUN_PORT", help="Rendezvous port of a single-node job. Default: a free port that ddprun binds and holds.", show_default=False)]
+Nproc = Annotated[Optional[str], typer.Option("--nproc", "--nproc-per-node", "--nproc_per_node", metavar="N|auto|gpu|cpu", envvar="DDPRUN_NPROC", help="Processes per node (torchrun's --nproc-per-node): a count, or auto (the GPUs, else one per core), gpu, cpu (one per core). Default: the number of selected GPUs, or 2 on CPU. Above 4 per core on CPU needs --force.", show_default=False)]
+Port = Annotated[Optional[str], typer.Option("--port", metavar="PORT", envvar="DDPRUN_PORT", help="Rendezvous port of a single-node job, bound and held by ddprun (not torchrun's --master-port, which is the workers' MASTER_PORT). Default: a free port.", show_default=False)]
 Nnodes = Annotated[Optional[str], typer.Option("--nnodes", metavar="N|MIN:MAX", help="Number of nodes N, or MIN:MAX for an elastic job. Detected under SLURM and Kubeflow; the flag wins.", show_default=False)]
-NodeRank = Annotated[Optional[str], typer.Option("--node-rank", metavar="R", help="This node's rank, 0 <= R < N, with --master.", show_default=False)]
+NodeRank = Annotated[Optional[str], typer.Option("--node-rank", "--node_rank", metavar="R", help="This node's rank, 0 <= R < N, with --master.", show_default=False)]
 Master = Annotated[Optional[str], typer.Option("--master", metavar="HOST:PORT", help="HOST:PORT of node 0, for a fixed set of nodes (every node runs the same command).", show_default=False)]
-RdzvEndpoint = Annotated[Optional[str], typer.Option("--rdzv-endpoint", metavar="HOST:PORT", help="HOST:PORT of the c10d store, for an elastic job.", show_default=False)]
-RdzvId = Annotated[Optional[str], typer.Option("--rdzv-id", metavar="ID", help="Rendezvous id shared by all nodes of a job. Default: unique per job.", show_default=False)]
-MaxRestarts = Annotated[str, typer.Option("--max-restarts", metavar="N", envvar="DDPRUN_MAX_RESTARTS", help="Restart the workers up to N times when one fails.")]
-LogDir = Annotated[Optional[str], typer.Option("--log-dir", metavar="DIR", envvar="DDPRUN_LOG_DIR", help="Keep every rank's stdout and stderr in DIR/<job id>/, a new private folder per job. Default: DIR is your private ddprun folder ($XDG_RUNTIME_DIR/ddprun, else <temp dir>/ddprun-<uid>). The newest --keep-logs job folders stay in DIR; ddprun deletes only its own older job folders. The flag wins over DDPRUN_LOG_DIR.", show_default=False)]
+RdzvEndpoint = Annotated[Optional[str], typer.Option("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT", help="HOST:PORT of the c10d store, for an elastic job.", show_default=False)]
+RdzvId = Annotated[Optional[str], typer.Option("--rdzv-id", "--rdzv_id", metavar="ID", help="Rendezvous id shared by all nodes of a job. Default: unique per job.", show_default=False)]
+MaxRestarts = Annotated[str, typer.Option("--max-restarts", "--max_restarts", metavar="N", envvar="DDPRUN_MAX_RESTARTS", help="Restart the workers up to N times when one fails.")]
+LogDir = Annotated[Optional[str], typer.Option("--log-dir", "--log_dir", metavar="DIR", envvar="DDPRUN_LOG_DIR", help="Keep every rank's stdout and stderr in DIR/<job id>/, a new private folder per job. Default: DIR is your private ddprun folder ($XDG_RUNTIME_DIR/ddprun, else <temp dir>/ddprun-<uid>). The newest --keep-logs job folders stay in DIR; ddprun deletes only its own older job folders. The flag wins over DDPRUN_LOG_DIR.", show_default=False)]
 KeepLogs = Annotated[str, typer.Option("--keep-logs", metavar="N", envvar="DDPRUN_KEEP_LOGS", help="Job folders ddprun keeps in the log folder, this job's included; older ones it made are deleted (0: keep all). The flag wins over DDPRUN_KEEP_LOGS.")]
 Ranks = Annotated[Optional[str], typer.Option("--ranks", metavar="RANKS", help="Global ranks whose output reaches the console, e.g. 0,3 (the log files keep all).", show_default=False)]
-GracePeriod = Annotated[str, typer.Option("--grace-period", metavar="SECONDS", envvar="DDPRUN_GRACE_PERIOD", help="Seconds the workers get to exit after Ctrl-C or SIGTERM before they are killed.")]
+GracePeriod = Annotated[str, typer.Option("--grace-period", "--shutdown-timeout", "--shutdown_timeout", metavar="SECONDS", envvar="DDPRUN_GRACE_PERIOD", help="Seconds the workers get to exit after Ctrl-C or SIGTERM before they are killed.")]
 JoinTimeout = Annotated[Optional[str], typer.Option("--join-timeout", metavar="SECONDS", help="Seconds to wait for all nodes to join before failing. Default: torch's 600.", show_default=False)]
 ForwardSignal = Annotated[Optional[List[str]], typer.Option("--forward-signal", metavar="SIGNAL", help="Forward SIGUSR1, SIGUSR2 or SIGHUP to the workers (scheduler preemption notices). Repeatable.", show_default=False)]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Start nothing: print the equivalent torchrun command on stdout.")]
 AsJson = Annotated[bool, typer.Option("--json", help="With --dry-run: print the plan as JSON.")]
 
 
-def _launch_options(entrypoint: Entrypoint, flags: dict) -> LaunchOptions:
-    """Turn the raw strings of the shared options into validated LaunchOptions."""
+# --- torchrun's own options, with torchrun's meaning (see ddprun.torchrun_compat) ----------------
+
+
+def _torchrun(*names: str, metavar: str | None = None, help: str) -> typer.models.OptionInfo:
+    return typer.Option(*names, metavar=metavar, help=help, show_default=False)
+
+
+Standalone = Annotated[bool, _torchrun("--standalone", help="torchrun's: a one-node job on its own store (ddprun's default).")]
+RdzvBackend = Annotated[Optional[str], _torchrun("--rdzv-backend", "--rdzv_backend", metavar="c10d|static", help="torchrun's rendezvous backend.")]
+RdzvConf = Annotated[Optional[str], _torchrun("--rdzv-conf", "--rdzv_conf", metavar="K=V,...", help="torchrun's rendezvous settings, e.g. last_call_timeout=5,join_timeout=60.")]
+MasterAddr = Annotated[Optional[str], _torchrun("--master-addr", "--master_addr", metavar="HOST", help="torchrun's: on one node (with --master-port) the workers' MASTER_ADDR; on many, node 0's address.")]
+MasterPort = Annotated[Optional[str], _torchrun("--master-port", "--master_port", metavar="PORT", help="torchrun's: on one node the workers' MASTER_PORT (rank 0 serves it); on many, node 0's port.")]
+LocalAddr = Annotated[Optional[str], _torchrun("--local-addr", "--local_addr", metavar="HOST", help="torchrun's: this node's address (many nodes).")]
+NoPython = Annotated[bool, _torchrun("--no-python", "--no_python", help="torchrun's: execute SCRIPT as a program, not with python.")]
+RunPath = Annotated[bool, _torchrun("--run-path", "--run_path", help="torchrun's: run SCRIPT with runpy.run_path (what ddprun always does).")]
+Redirects = Annotated[Optional[str], _torchrun("-r", "--redirects", metavar="N|L:N,...", help="torchrun's: keep these streams (1 out, 2 err, 3 both) off the console; the log files keep all.")]
+Tee = Annotated[Optional[str], _torchrun("-t", "--tee", metavar="N|L:N,...", help="torchrun's: show and keep these streams (ddprun always keeps files).")]
+LocalRanksFilter = Annotated[Optional[str], _torchrun("--local-ranks-filter", "--local_ranks_filter", metavar="0,1", help="torchrun's: local ranks whose output reaches the console.")]
+PrefixTemplate = Annotated[Optional[str], _torchrun("--log-line-prefix-template", "--log_line_prefix_template", metavar="TEMPLATE", help="torchrun's console line prefix: ${rank}, ${local_rank}, ${role_name}, ${hostname}. Default: '[rank ${rank}] '.")]
+MonitorInterval = Annotated[Optional[str], _torchrun("--monitor-interval", "--monitor_interval", metavar="SECONDS", help="torchrun's: how often torch checks the workers.")]
+StartMethod = Annotated[Optional[str], _torchrun("--start-method", "--start_method", metavar="spawn|fork|forkserver", help="torchrun's.")]
+EventLogHandler = Annotated[Optional[str], _torchrun("--event-log-handler", "--event_log_handler", metavar="NAME", help="torchrun's.")]
+Role = Annotated[Optional[str], _torchrun("--role", metavar="NAME", help="torchrun's: the workers' role name.")]
+LogsSpecs = Annotated[Optional[str], _torchrun("--logs-specs", "--logs_specs", metavar="NAME", help="torchrun's; refused (ddprun writes the logs).")]
+NumaBinding = Annotated[Optional[str], _torchrun("--numa-binding", "--numa_binding", metavar="MODE", help="torchrun's.")]
+SignalsToHandle = Annotated[Optional[str], _torchrun("--signals-to-handle", "--signals_to_handle", metavar="SIGNALS", help="torchrun's: signals that stop the job, e.g. SIGTERM,SIGINT,SIGUSR1.")]
+VirtualLocalRank = Annotated[bool, _torchrun("--virtual-local-rank", "--virtual_local_rank", help="torchrun's.")]
+DupStdout = Annotated[Optional[str], _torchrun("--duplicate-stdout-filters", "--duplicate_stdout_filters", metavar="FILTERS", help="torchrun's.")]
+DupStderr = Annotated[Optional[str], _torchrun("--duplicate-stderr-filters", "--duplicate_stderr_filters", metavar="FILTERS", help="torchrun's.")]
+PrintCompletion = Annotated[Optional[str], _torchrun("--print-completion", "--print_completion", metavar="SHELL", help="torchrun's; refused.")]
+TtyRank = Annotated[Optional[str], _torchrun("--tty-rank", metavar="R", help="In a terminal, the rank whose stdin/stdout/stderr are the terminal itself (tqdm, colours, breakpoint()). Default: 0.")]
+Force = Annotated[bool, typer.Option("--force", help="Allow more than 4 CPU processes per core.")]
+
+
+def _given(ctx: typer.Context, values: dict) -> dict[str, torchrun_compat.Given]:
+    """Each option's raw text and how it was given: flag, DDPRUN_* variable, torchrun's PET_* variable."""
+    params = {p.name: p for p in ctx.command.params if p.name in values and p.param_type_name == "option"}
+    sources = {name: {"COMMANDLINE": "flag", "ENVIRONMENT": "env"}.get(getattr(ctx.get_parameter_source(name), "name", ""), "default")
+               for name in params}
+    flags = {name: next((o for o in p.opts if o.startswith("--")), p.opts[0]) for name, p in params.items()}
+    envvars = {name: p.envvar for name, p in params.items() if isinstance(getattr(p, "envvar", None), str)}
+    env = torchrun_compat.pet_env(os.environ, scheduler=cluster.detect_scheduler(os.environ))
+    return torchrun_compat.given_values({n: values[n] for n in params}, sources=sources, flags=flags, envvars=envvars, env=env)
+
+
+def _known_options(ctx: typer.Context) -> list[str]:
+    return [name for p in ctx.command.params for name in getattr(p, "opts", []) if name.startswith("-")]
+
+
+def _launch_options(entrypoint: Entrypoint, flags: dict, given: dict | None = None) -> LaunchOptions:
+    """Turn the raw strings of the shared options into validated LaunchOptions. `given` (see _given):
+    each option's text and source; a PET_* variable fills what no flag or DDPRUN_* variable set."""
+    given = given or {}
+    flags = {**flags, **{k: g.text for k, g in given.items() if isinstance(flags.get(k), (str, type(None)))}}
+
+    def at(name: str, flag: str) -> str:  # how an error names the value: the flag or the variable
+        return given[name].label if name in given and given[name].label else flag
+
     return LaunchOptions(
         entrypoint=entrypoint,
-        gpus=flags["gpus"],
+        gpus=preflight.check_gpus(flags["gpus"], flag=at("gpus", "--gpus")),
         cpu=flags["cpu"],
-        nproc=preflight.parse_int(flags["nproc"], flag="--nproc", example="2"),
-        port=cluster.parse_port(flags["port"]) if flags["port"] is not None else None,
+        nproc=torchrun_compat.parse_nproc(torchrun_compat.Given(flags["nproc"], at("nproc", "--nproc"))),
+        port=cluster.parse_port(flags["port"], flag=at("port", "--port")) if flags["port"] is not None else None,
         cluster=cluster.ClusterFlags(
             nnodes=flags["nnodes"],
-            node_rank=preflight.parse_int(flags["node_rank"], flag="--node-rank", example="0"),
+            node_rank=preflight.parse_int(flags["node_rank"], flag=at("node_rank", "--node-rank"), example="0"),
             master=flags["master"],
             rdzv_endpoint=flags["rdzv_endpoint"],
             rdzv_id=flags["rdzv_id"],
+            labels=tuple((k, given[k].label) for k in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
+                         if k in given and given[k].label),
         ),
-        max_restarts=preflight.parse_int(flags["max_restarts"], flag="--max-restarts", example="2"),
+        max_restarts=preflight.parse_int(flags["max_restarts"], flag=at("max_restarts", "--max-restarts"), example="2"),
         log_dir=preflight.check_log_dir(flags["log_dir"]),
-        keep_logs=preflight.parse_int(flags["keep_logs"], flag="--keep-logs", example="100"),
+        keep_logs=preflight.parse_int(flags["keep_logs"], flag=at("keep_logs", "--keep-logs"), example="100"),
         ranks=preflight.parse_ranks(flags["ranks"]),
-        grace_period_s=preflight.parse_seconds(flags["grace_period"], flag="--grace-period"),
+        grace_period_s=preflight.parse_seconds(flags["grace_period"], flag=at("grace_period", "--grace-period")),
         join_timeout_s=preflight.parse_seconds(flags["join_timeout"], flag="--join-timeout"),
         forward_signals=tuple(s.upper() for s in flags["forward_signal"] or ()),
+        force=bool(flags.get("force")),
+        tty_rank=preflight.parse_int(flags.get("tty_rank"), flag="--tty-rank", example="0"),
+        torchrun=torchrun_compat.choices(given) if given else torchrun_compat.TorchrunChoices(),
+        labels={k: g.label for k, g in given.items() if g.label},
     )
 
 
-def _plan(options: LaunchOptions) -> LaunchPlan:
+def _plan(options: LaunchOptions, *, terminal: bool = False) -> LaunchPlan:
     torch_version = installed_torch()
     return build_plan(
         options,
@@ -90,6 +152,7 @@ def _plan(options: LaunchOptions) -> LaunchPlan:
         rdzv_secret=f"ddprun-{secrets.token_hex(16)}",  # 128 random bits, shown nowhere
         torch_version=torch_version,
         log_root=runfolders.default_root(),  # a path only: it is made at launch, never on --dry-run
+        terminal=terminal,
     )
 
 
@@ -137,9 +200,19 @@ def _root() -> None:
 
 @app.command(context_settings=PASSTHROUGH)
 def run(
+    ctx: typer.Context,
     script: Annotated[str, typer.Argument(metavar="SCRIPT", help="The script to run (or, with -m, the module). Everything after it is passed to it unchanged.", show_default=False)],
     script_args: Annotated[Optional[List[str]], typer.Argument(metavar="[ARGS]...", help="Arguments for the script.", show_default=False)] = None,
     module: Annotated[bool, typer.Option("-m", "--module", help="Run SCRIPT as a module, like python -m.")] = False,
+    standalone: Standalone = False, rdzv_backend: RdzvBackend = None, rdzv_conf: RdzvConf = None,
+    master_addr: MasterAddr = None, master_port: MasterPort = None, local_addr: LocalAddr = None,
+    no_python: NoPython = False, run_path: RunPath = False, redirects: Redirects = None, tee: Tee = None,
+    local_ranks_filter: LocalRanksFilter = None, log_line_prefix_template: PrefixTemplate = None,
+    monitor_interval: MonitorInterval = None, start_method: StartMethod = None, event_log_handler: EventLogHandler = None,
+    role: Role = None, logs_specs: LogsSpecs = None, numa_binding: NumaBinding = None, signals_to_handle: SignalsToHandle = None,
+    virtual_local_rank: VirtualLocalRank = False, duplicate_stdout_filters: DupStdout = None,
+    duplicate_stderr_filters: DupStderr = None, print_completion: PrintCompletion = None,
+    tty_rank: TtyRank = None, force: Force = False,
     gpus: Gpus = None, cpu: Cpu = False, nproc: Nproc = None, port: Port = None,
     nnodes: Nnodes = None, node_rank: NodeRank = None, master: Master = None,
     rdzv_endpoint: RdzvEndpoint = None, rdzv_id: RdzvId = None,
@@ -147,10 +220,15 @@ def run(
     grace_period: GracePeriod = f"{DEFAULT_GRACE_PERIOD_S:g}", join_timeout: JoinTimeout = None, forward_signal: ForwardSignal = None,
     dry_run: DryRun = False, as_json: AsJson = False,
 ) -> None:
-    """Run any script (or module) on every rank, launched properly."""
-    entrypoint = preflight.check_entrypoint(Entrypoint(script, preflight.script_args(script_args), is_module=module))
-    options = _launch_options(entrypoint, dict(locals()))
-    raise typer.Exit(_launch_or_print(_plan(options), dry_run=dry_run, as_json=as_json))
+    """Run any script (or module) on every rank, launched properly. torchrun's options work too, with torchrun's meaning."""
+    given = _given(ctx, dict(locals()))
+    entrypoint = preflight.check_entrypoint(
+        Entrypoint(script, preflight.script_args(script_args), is_module=torchrun_compat.switch(given["module"]),
+                   no_python=torchrun_compat.switch(given["no_python"]) and not torchrun_compat.switch(given["run_path"])),
+        known_options=_known_options(ctx))
+    options = _launch_options(entrypoint, dict(locals()), given)
+    terminal = sys.stdin.isatty() and sys.stderr.isatty()
+    raise typer.Exit(_launch_or_print(_plan(options, terminal=terminal), dry_run=dry_run, as_json=as_json))
 
 
 def _trainer_help() -> str:
@@ -220,16 +298,37 @@ def sbatch(
     output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="PATTERN", help="Log file pattern. Default: %x-%j.out", show_default=False)] = None,
 ) -> None:
     """Print an sbatch script that runs a ddprun command on N nodes (one ddprun per node, via srun)."""
-    from ddprun.sbatch import render_sbatch
+    from ddprun.sbatch import check_inner_command, render_sbatch
+
+    inner = preflight.script_args(command)
+    check_inner_command(inner, parse=_parse_inner)
 
     print(render_sbatch(
         nodes=preflight.parse_int(nodes, flag="--nodes", example="2"),
         gpus_per_node=preflight.parse_int(gpus_per_node, flag="--gpus-per-node", example="8"),
-        ddprun_args=preflight.script_args(command),
+        ddprun_args=inner,
         job_name=job_name, time=time, partition=partition, account=account,
         cpus_per_task=preflight.parse_int(cpus_per_task, flag="--cpus-per-task", example="32"),
         output=output,
     ), end="")
+
+
+def _parse_inner(args: list[str]) -> None:
+    """Parse `ddprun run|train ...` as each node will, without planning (this is not the cluster)."""
+    group = typer.main.get_command(app)
+    command = group.get_command(typer.Context(group), args[0])
+    try:
+        ctx = command.make_context(args[0], list(args[1:]))
+    except typer.TyperException as err:  # click's own errors (typer bundles click)
+        raise UsageError(getattr(err, "format_message", lambda: str(err))()) from None
+    if args[0] == "train":
+        from ddprun import train_options
+
+        train_options.validate(train_options.parse_cli(ctx.args))
+    elif ctx.params["script"].startswith("-"):
+        raise torchrun_compat.unknown_option(ctx.params["script"], known=_known_options(ctx))
+    flags = {**ctx.params, "log_dir": None}  # the log folder is the cluster's, not this machine's
+    _launch_options(Entrypoint(args[0]), flags, _given(ctx, flags))  # every value parses as it will there
 
 
 def main() -> None:

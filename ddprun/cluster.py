@@ -59,6 +59,11 @@ class ClusterFlags:
     master: str | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
+    # How a value was given when not by ddprun's own flag: {"nnodes": "PET_NNODES", ...}.
+    labels: tuple[tuple[str, str], ...] = ()
+
+    def label(self, name: str, flag: str) -> str:
+        return dict(self.labels).get(name, flag)
 
 
 @dataclass(frozen=True)
@@ -496,20 +501,25 @@ _BOTH_ENDPOINTS = (
 def _parse_flags(flags: ClusterFlags) -> _Given:
     nnodes = rank = master = rdzv = run_id = None
     if flags.nnodes is not None:
-        low, high = parse_nnodes(flags.nnodes)
-        nnodes = (Sourced(low, "--nnodes"), Sourced(high, "--nnodes"))
+        label = flags.label("nnodes", "--nnodes")
+        low, high = parse_nnodes(flags.nnodes, flag=label)
+        nnodes = (Sourced(low, label), Sourced(high, label))
     if flags.node_rank is not None:
+        label = flags.label("node_rank", "--node-rank")
         if flags.node_rank < 0:
-            raise UsageError(f"--node-rank {flags.node_rank}: node ranks start at 0, e.g. --node-rank 0")
-        rank = Sourced(int(flags.node_rank), "--node-rank")
+            raise UsageError(f"{_shown(label, str(flags.node_rank))}: node ranks start at 0, e.g. --node-rank 0")
+        rank = Sourced(int(flags.node_rank), label)
     if flags.master is not None:
-        master = Sourced(parse_endpoint(flags.master, flag="--master"), "--master")
+        label = flags.label("master", "--master")
+        master = Sourced(parse_endpoint(flags.master, flag=label), label)
     if flags.rdzv_endpoint is not None:
-        rdzv = Sourced(parse_endpoint(flags.rdzv_endpoint, flag="--rdzv-endpoint"), "--rdzv-endpoint")
+        label = flags.label("rdzv_endpoint", "--rdzv-endpoint")
+        rdzv = Sourced(parse_endpoint(flags.rdzv_endpoint, flag=label), label)
     if flags.rdzv_id is not None:
+        label = flags.label("rdzv_id", "--rdzv-id")
         if not flags.rdzv_id.strip() or any(c.isspace() for c in flags.rdzv_id):
-            raise UsageError(f"--rdzv-id {flags.rdzv_id!r}: give a name without blanks, e.g. --rdzv-id exp42")
-        run_id = Sourced(flags.rdzv_id, "--rdzv-id")
+            raise UsageError(f"{_shown(label, repr(flags.rdzv_id))}: give a name without blanks, e.g. --rdzv-id exp42")
+        run_id = Sourced(flags.rdzv_id, label)
     if master and rdzv:
         raise UsageError(_BOTH_ENDPOINTS)
     return _Given(nnodes, rank, master, rdzv, run_id)
@@ -632,6 +642,12 @@ def _check_nodes(spec: ClusterSpec, given: _Given) -> None:
         raise UsageError(
             f"{_nodes(spec)} need an address every node can reach: add --master HOST:PORT, the same on "
             f"every node, e.g. --nnodes {spec.nnodes_text()} --node-rank 0 --master node0:29500"
+        )
+    if given.node_rank and given.node_rank.value != 0 and spec.rdzv_backend == "c10d" and spec.is_multi_node():
+        raise UsageError(
+            f"{_shown(given.node_rank.source, str(given.node_rank.value))} with c10d rendezvous "
+            f"({spec.nnodes_text()} nodes): c10d gives each node its rank, so torchrun would ignore it; drop it, "
+            "or use static rendezvous, e.g. --nnodes 2 --node-rank 1 --master node0:29500"
         )
     if given.node_rank and spec.max_nodes.source == "default":
         raise UsageError(

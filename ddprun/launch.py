@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 from rich.console import Console
 from rich.markup import escape
 
-from ddprun import live, reaper, rendezvous, report, signals, torch_internals
+from ddprun import live, reaper, rendezvous, report, signals, torch_internals, torchrun_compat
 from ddprun.deaths import DeathWatch, rank_of
 from ddprun.envnames import LAUNCHER_PID_ENV
 from ddprun.errors import DdprunError
@@ -97,11 +97,16 @@ def _held_rendezvous(plan: LaunchPlan, *, say: Callable[[str], None]) -> Iterato
                 "rendezvous runs it instead, without a held port, a loopback-only store or a fresh store per restart.")
             held = None
         except rendezvous.PortTakenError:
-            if plan.store_role == "host":
+            if plan.launch.store_port_fallback:  # a loopback --rdzv-endpoint on one node: any free port does
+                held = stack.enter_context(rendezvous.hold_store(
+                    address, 0, flag=flag, implementation=plan.launch.store_implementation))
+                say(f"port {port} is in use, so this job's store holds port {held.port} instead")
+            elif plan.store_role == "host":
                 raise
-            # c10d: another process on this machine serves this endpoint: join it, as torchrun does.
-            say(f"{plan.endpoint} is served by another process on this machine: joining it")
-            held = None
+            else:
+                # c10d: another process on this machine serves this endpoint: join it, as torchrun does.
+                say(f"{plan.endpoint} is served by another process on this machine: joining it")
+                held = None
         if held is None:
             yield _Rendezvous(plan.torchrun_args, None)
         else:
@@ -128,12 +133,13 @@ def _build_launcher(plan: LaunchPlan, rdzv: _Rendezvous, *, on_start: Callable[[
     from torch.distributed import run as torchrun
     from torch.distributed.launcher.api import elastic_launch
 
-    from ddprun.logs import LINE_PREFIX_TEMPLATE, RankLogsSpecs
+    from ddprun.logs import RankLogsSpecs
 
     # torchrun's argparse rejects user arguments that abbreviate its own options (a script's
     # --nproc "could match --nproc-per-node"), so only the launcher's part goes through it.
     split = rdzv.torchrun_args.index(BOOTSTRAP_MODULE) + 1
-    config, entrypoint, entrypoint_args = torchrun.config_from_args(torchrun.parse_args(rdzv.torchrun_args[:split]))
+    with torchrun_compat.pet_variables_hidden():  # read and checked by ddprun already; the args say it all
+        config, entrypoint, entrypoint_args = torchrun.config_from_args(torchrun.parse_args(rdzv.torchrun_args[:split]))
     entrypoint_args = [*entrypoint_args, *rdzv.torchrun_args[split:]]
     choices = plan.launch
     stores = rendezvous.WorkerStores(bind_host=rdzv.held.host if rdzv.held else LOOPBACK,
@@ -143,12 +149,15 @@ def _build_launcher(plan: LaunchPlan, rdzv: _Rendezvous, *, on_start: Callable[[
         on_start(number, config.max_restarts)
         if choices.fresh_worker_store and rdzv.held is not None:
             stores.fresh_for(envs)
+        elif choices.workers_master:
+            torch_internals.point_workers_at_master(envs, address=choices.workers_master)
 
     logs = RankLogsSpecs(
         plan.log_dir, console_ranks=set(plan.ranks) if plan.ranks is not None else None, on_attempt=on_attempt,
+        console=plan.console,
     )
     config.logs_specs = logs
-    config.log_line_prefix_template = LINE_PREFIX_TEMPLATE
+    config.log_line_prefix_template = plan.console.prefix_template
     for line in torch_internals.configure_launch(
             config, grace_period_s=plan.grace_period_s, torch_signals=",".join(choices.torch_signals)):
         say(f"note: {line}")

@@ -17,10 +17,18 @@ from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
-from ddprun import runfolders, torch_internals
+from ddprun import runfolders, torch_internals, torchrun_compat
 from ddprun.envnames import ERROR_FILE_ENV, PID_FILE_ENV
 
-LINE_PREFIX_TEMPLATE = "[rank ${rank}] "
+from ddprun.plan import LINE_PREFIX_TEMPLATE, ConsoleChoices  # noqa: E402,F401  (re-exported)
+
+
+def _terminal(fd: int) -> str | None:
+    """The launcher's terminal device behind fd 1 or 2 (e.g. /dev/pts/3), or None off a terminal."""
+    try:
+        return os.ttyname(fd) if os.isatty(fd) else None
+    except OSError:
+        return None
 
 
 @dataclass
@@ -52,10 +60,12 @@ class RankLogsSpecs(LogsSpecs):
     def __init__(
         self, log_dir: str, *, console_ranks: set[int] | None,
         on_attempt: Callable[[int, dict[int, dict[str, str]]], None] = lambda number, envs: None,
+        console: ConsoleChoices | None = None,
     ) -> None:
         super().__init__(log_dir=log_dir)
         self._log_dir = log_dir  # ours: torch keeps its copy in a private attribute
         self._console_ranks = console_ranks
+        self._console = console or ConsoleChoices()
         self._on_attempt = on_attempt
         self.attempts: list[Attempt] = []
 
@@ -81,12 +91,25 @@ class RankLogsSpecs(LogsSpecs):
                 runfolders.make_private_file(str(path))
             env[ERROR_FILE_ENV] = dest.error_files[local_rank]
             env[PID_FILE_ENV] = str(attempt.pid_file(rank))
-            if self._console_ranks is None or rank in self._console_ranks:
-                dest.tee_stdouts[local_rank] = dest.stdouts[local_rank]
-                dest.tee_stderrs[local_rank] = dest.stderrs[local_rank]
+            self._route(dest, local_rank=local_rank, rank=rank)
         torch_internals.tune_logs_dest(dest)
         self.attempts.append(attempt)
         return dest
+
+    def _route(self, dest: LogsDest, *, local_rank: int, rank: int) -> None:
+        """The console rank in a terminal writes to the terminal itself (torch opens the path we
+        give; stdin is inherited): tqdm, colours and breakpoint() work, and its log files stay
+        empty. Any other shown stream is copied, prefixed, from its file to the console."""
+        shown = self._console_ranks is None or rank in self._console_ranks
+        local = self._console.local_ranks
+        shown = shown and (local is None or local_rank in local)
+        for stream, files, tees in ((1, dest.stdouts, dest.tee_stdouts), (2, dest.stderrs, dest.tee_stderrs)):
+            terminal = _terminal(stream) if rank == self._console.tty_rank else None
+            if terminal:
+                files[local_rank] = terminal
+            elif shown and torchrun_compat.stream_shown(redirects=self._console.redirects, tee=self._console.tee,
+                                                        local_rank=local_rank, stream=stream):
+                tees[local_rank] = files[local_rank]
 
     def _folder_name(self, number: int) -> str:
         # An elastic membership change restarts the workers without counting a restart, so a

@@ -251,6 +251,10 @@ class JoinWatch:
         if count is None:
             return (f"no answer from the store at {self.endpoint} within {self.timeout_s:g} s: "
                     f"node 0 never came up, or the port is closed between the nodes")
-        missing = max(wanted - count, 0)
+        if count >= wanted:  # enough nodes came: torch was still waiting out last_call_timeout for more
+            return (f"{count} of {self.nnodes} nodes joined at {self.endpoint} within {self.timeout_s:g} s, enough for "
+                    f"the minimum of {wanted}, but the rendezvous waits last_call_timeout (30 s by default) for more "
+                    "before it starts: lower it with --rdzv-conf last_call_timeout=N, or raise --join-timeout above it")
+        missing = wanted - count
         return (f"only {count} of {wanted} nodes joined at {self.endpoint} within {self.timeout_s:g} s: "
                 f"{missing} node{'s' if missing != 1 else ''} missing")

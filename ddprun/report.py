@@ -379,9 +379,15 @@ def root_cause(failures: Sequence[RankFailure]) -> RankFailure:
     return min(failures, key=key)
 
 
+# Exit codes ddprun keeps for itself: 2 is "bad input, nothing started"; 130 and 143 come after
+# SIGINT / SIGTERM (outside 1..125 anyway). A worker's own code never reads as one of them.
+RESERVED_EXIT_CODES = (2,)
+
+
 def exit_code_for(failure: RankFailure) -> int:
-    """ddprun's exit code: the worker's own when it is 1..125, else 1."""
-    return failure.exitcode if 1 <= failure.exitcode <= 125 else 1
+    """ddprun's exit code: the worker's own when it is 1..125 and not reserved (2 -> 1), else 1."""
+    code = failure.exitcode
+    return code if 1 <= code <= 125 and code not in RESERVED_EXIT_CODES else 1
 
 
 # ---------------------------------------------------------------- the panel

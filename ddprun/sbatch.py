@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ddprun.errors import UsageError
 
@@ -79,6 +79,23 @@ def _srun_line(*, ddprun_args: Sequence[str], cpus_per_task: int | None) -> str:
     # If one node's ddprun fails, end the step on every node instead of leaving them waiting.
     srun.append("--kill-on-bad-exit=1")
     return " ".join(srun + ["ddprun"] + [shlex.quote(str(arg)) for arg in ddprun_args])
+
+
+INNER_COMMANDS = ("run", "train")
+
+
+def check_inner_command(args: Sequence[str], *, parse: Callable[[list[str]], None]) -> None:
+    """The ddprun command every node runs, checked here: a typo would otherwise wait in the queue
+    and fail on every node. `parse` parses it as that command would (the CLI's own parser)."""
+    if not args:
+        return  # render_sbatch says what to give
+    if args[0] not in INNER_COMMANDS:
+        raise UsageError(f"ddprun sbatch -- {args[0]}: each node runs ddprun run or ddprun train, "
+                         "e.g. ddprun sbatch --nodes 2 -- train --epochs 10")
+    try:
+        parse(list(args))
+    except UsageError as err:
+        raise UsageError(f"ddprun sbatch -- {shlex.join(args)}: {err.message}", hint=err.hint) from None
 
 
 def render_sbatch(

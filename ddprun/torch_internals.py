@@ -144,6 +144,16 @@ def point_workers_at_store(envs: Mapping[int, dict], *, host: str, port: int) ->
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
 
 
+def point_workers_at_master(envs: Mapping[int, dict], *, address: str) -> None:
+    """torchrun's --master-port on one node: the workers' MASTER_ADDR:MASTER_PORT is the user's, and
+    rank 0 serves the store there itself (as under plain torchrun's static rendezvous or python)."""
+    host, _, port = address.rpartition(":")
+    for env in envs.values():
+        env["MASTER_ADDR"] = host.strip("[]")
+        env["MASTER_PORT"] = port
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+
+
 def keep_worker_store_local(handler: Any, create_server: Callable[[str, int], Any], *, name: str) -> bool:
     """Multi-node jobs: torch's c10d handler makes node 0's worker store with TCPStore(addr, 0),
     listening on every interface; hand it `create_server` instead (bound to one address).

@@ -10,8 +10,11 @@ decorating. torch is not imported here: a script that never imports torch starts
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import faulthandler
+import importlib.machinery
+import io
 import json
 import os
 import runpy
@@ -19,6 +22,8 @@ import signal
 import sys
 import time
 import traceback
+import types
+import zipfile
 from types import TracebackType
 
 from ddprun import torch_internals
@@ -46,17 +51,39 @@ def die_with_launcher() -> None:
 
 
 def run_user_code(argv: list[str]) -> None:
-    """Run a script or `-m module` exactly as `python` would, with sys.argv set for it."""
+    """Run a script or `-m module` exactly as `python` would, with sys.argv set for it;
+    `--no-python PROGRAM` replaces this process with the program (torchrun's --no-python)."""
+    if argv[:1] == ["--no-python"]:
+        # After the parent-death signal and the pid file: both survive exec, so the guarantees hold.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execvp(argv[1], argv[1:])
     if argv[:1] == ["-m"]:
         module, args = argv[1], argv[2:]
         sys.argv = [module, *args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
         script, args = argv[0], argv[1:]
-        sys.argv = [script, *args]
+        sys.argv = [script, *args]  # as typed, as python (and torchrun) leave it
         # `python -m` put the working directory first; `python script.py` puts the script's own.
         sys.path[0] = os.path.dirname(os.path.abspath(script))
-        runpy.run_path(script, run_name="__main__")
+        _run_script(os.path.abspath(script))
+
+
+def _run_script(path: str) -> None:
+    """As `python path` runs it: a fresh __main__ whose __file__ is absolute (as python 3.9+ and
+    torchrun make it), leaving sys.argv[0] as typed (runpy.run_path would set it to `path`).
+    A folder or zip with __main__.py goes through runpy."""
+    if not os.path.isfile(path) or zipfile.is_zipfile(path):
+        runpy.run_path(path, run_name="__main__")
+        return
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __builtins__=builtins, __cached__=None, __package__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main  # pickle finds the script's classes in __main__, as under python
+    exec(code, main.__dict__)
 
 
 def user_traceback(tb: TracebackType | None) -> TracebackType | None:
