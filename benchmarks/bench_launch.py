@@ -5,6 +5,7 @@
 Targets (ratio of medians, ddprun / torchrun):
   ddprun --help                     vs torchrun --help   <= 0.1
   ddprun run --dry-run x.py         vs torchrun --help   <= 0.1
+  ddprun tr<TAB> (bash completion)  vs torchrun --help   <= 0.1
   ddprun run --cpu --nproc 2 x.py   vs torchrun --nproc-per-node 2 --standalone x.py   <= 1.05
 The job's script (written to a temp dir as job.py) initialises gloo, all-reduces one tensor
 and exits, noting the time at each step, so the job's wall time also splits into phases:
@@ -52,6 +53,9 @@ def commands(job: str) -> tuple[dict, dict]:
         "ddprun --help": ddprun + ["--help"],
         "torchrun --help": torchrun + ["--help"],
         f"ddprun run --dry-run {DRY_RUN_SCRIPT}": ddprun + ["run", "--dry-run", DRY_RUN_SCRIPT],
+        # What bash runs on `ddprun tr<TAB>` (the script from `ddprun --show-completion bash`).
+        "ddprun completion (tr<TAB>)": ["env", "_DDPRUN_COMPLETE=complete_bash", "COMP_WORDS=ddprun tr", "COMP_CWORD=1",
+                                        *ddprun],
     }
     jobs = {
         "ddprun run --cpu --nproc 2 job.py": ddprun + ["run", "--cpu", "--nproc", "2", job],
@@ -155,6 +159,7 @@ def main() -> None:
     table = rows(samples, pairs=[
         (names_fast[0], names_fast[1], 0.1),
         (names_fast[2], names_fast[1], 0.1),
+        (names_fast[3], names_fast[1], 0.1),
         (names_job[0], names_job[1], 1.05),
     ])
     print(markdown(table))

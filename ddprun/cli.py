@@ -7,24 +7,23 @@ torch is never imported here: --help and --dry-run stay instant.
 from __future__ import annotations
 
 import os
-import secrets
 import sys
-import uuid
+from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ddprun import cluster, devices, preflight, torch_internals, torchrun_compat, runfolders
+from ddprun import cluster, config, localplan, preflight, torch_internals, torchrun_compat, runfolders
 from ddprun.errors import DdprunError, UsageError
-from ddprun.plan import DEFAULT_GRACE_PERIOD_S, Entrypoint, LaunchOptions, LaunchPlan, build_plan
+from ddprun.plan import DEFAULT_GRACE_PERIOD_S, Entrypoint, LaunchOptions, LaunchPlan
 
 app = typer.Typer(
     name="ddprun",
     help="Launch PyTorch DistributedDataParallel jobs that work the first time.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion: bash, zsh, fish (Typer's own)
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
@@ -106,7 +105,7 @@ def _known_options(ctx: typer.Context) -> list[str]:
 def _launch_options(entrypoint: Entrypoint, flags: dict, given: dict | None = None) -> LaunchOptions:
     """Turn the raw strings of the shared options into validated LaunchOptions. `given` (see _given):
     each option's text and source; a PET_* variable fills what no flag or DDPRUN_* variable set."""
-    given = given or {}
+    given = _with_file_labels(flags.get("ctx"), given or {}, flags)
     flags = {**flags, **{k: g.text for k, g in given.items() if isinstance(flags.get(k), (str, type(None)))}}
 
     def at(name: str, flag: str) -> str:  # how an error names the value: the flag or the variable
@@ -142,26 +141,35 @@ def _launch_options(entrypoint: Entrypoint, flags: dict, given: dict | None = No
 
 
 def _plan(options: LaunchOptions, *, terminal: bool = False) -> LaunchPlan:
-    torch_version = installed_torch()
-    return build_plan(
-        options,
-        env=os.environ,
-        inventory=[] if options.cpu else devices.read_inventory(),
-        cpu_count=os.cpu_count() or 1,
-        job_id=f"ddprun-{uuid.uuid4().hex[:12]}",
-        rdzv_secret=f"ddprun-{secrets.token_hex(16)}",  # 128 random bits, shown nowhere
-        torch_version=torch_version,
-        log_root=runfolders.default_root(),  # a path only: it is made at launch, never on --dry-run
-        terminal=terminal,
-    )
+    inputs = {"terminal": terminal} if terminal else {}
+    return localplan.plan_here(options, warn=_warn, **inputs)  # ddprun.launch() plans through it too
 
 
 def installed_torch() -> str:
     """The installed torch's release, refused below the supported floor (no torch import)."""
-    version = torch_internals.installed_torch_version()
-    for notice in torch_internals.check_torch_version(version):
-        stderr.print(f"[bold yellow]ddprun: warning:[/] {escape(notice)}")
-    return version
+    return localplan.installed_torch(warn=_warn)
+
+
+def _warn(notice: str) -> None:
+    stderr.print(f"[bold yellow]ddprun: warning:[/] {escape(notice)}")
+
+
+def _with_file_labels(ctx: typer.Context | None, given: dict, values: dict) -> dict:
+    """`given` plus, for each option whose value came from the config file (click's default_map,
+    not overridden by a PET_* variable), the file and key: "pyproject.toml [tool.ddprun] nproc".
+    The plan's source map shows it, and a bad value's message names it."""
+    found = ctx.find_object(config.ConfigFile) if ctx is not None else None
+    if found is None:
+        return given
+    labelled = dict(given)
+    for param in ctx.command.params:
+        if not param.name or getattr(ctx.get_parameter_source(param.name), "name", "") != "DEFAULT_MAP":
+            continue
+        if param.name in given and given[param.name].label:
+            continue  # torchrun's PET_* variable: the environment wins over the file
+        text = given[param.name].text if param.name in given else config.as_text(values.get(param.name))
+        labelled[param.name] = torchrun_compat.Given(text, found.key_label(ctx.info_name, param.name, param.opts))
+    return labelled
 
 
 def _launch_or_print(plan: LaunchPlan, *, dry_run: bool, as_json: bool) -> int:
@@ -187,8 +195,40 @@ def _launch_or_print(plan: LaunchPlan, *, dry_run: bool, as_json: bool) -> int:
 # --- commands -------------------------------------------------------------------------------
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib import metadata
+
+        try:
+            own = metadata.version("ddprun")
+        except metadata.PackageNotFoundError:  # run from a source tree
+            from ddprun import __version__ as own
+        print(f"ddprun {own}\ntorch {torch_internals.installed_torch_version() or 'not installed'}\n"
+              f"Python {sys.version.split()[0]}")
+        raise typer.Exit(0)
+
+
+def _apply_config(ctx: typer.Context) -> None:
+    """Defaults from [tool.ddprun] (pyproject.toml) or ddprun.toml, as click's default_map: a
+    flag, then a DDPRUN_* variable, win over the file. Keys are checked against the options."""
+    found = config.find(Path.cwd())
+    if found is None:
+        return
+    specs = {
+        name: [config.OptionSpec(p.name, tuple(o.lstrip("-").replace("-", "_") for o in p.opts if o.startswith("--")),
+                                 "flag" if p.is_flag else "multiple" if p.multiple else "value")
+               for p in command.params if p.param_type_name == "option" and p.name]
+        for name, command in ctx.command.commands.items()
+    }
+    ctx.default_map = config.default_map(found, specs)
+    ctx.obj = found  # the launch commands name it as the source of its values
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    ctx: typer.Context,
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print the versions of ddprun, torch and Python, and exit.")] = False,
+) -> None:
     """Launch PyTorch DistributedDataParallel jobs that work the first time.
 
     \b
@@ -196,6 +236,7 @@ def _root() -> None:
       ddprun run train.py -- --lr 0.1 any script, launched properly
       ddprun doctor                   is this machine ready for DDP?
     """
+    _apply_config(ctx)
 
 
 @app.command(context_settings=PASSTHROUGH)
@@ -237,7 +278,21 @@ def _trainer_help() -> str:
     return "\b\nTraining options (passed to every rank):\n" + train_options.options_help()
 
 
+class _TrainCommand(typer.core.TyperCommand):
+    """Completes the trainer's options and their values too (`--model res<TAB>`): they reach the
+    command as extra arguments, which Typer's completion cannot see (ddprun.completion)."""
+
+    def shell_complete(self, ctx: typer.Context, incomplete: str) -> list:
+        from typer.core import CompletionItem
+
+        from ddprun.completion import trainer_completions
+
+        extra = [CompletionItem(value, help=help) for value, help in trainer_completions(ctx.args, incomplete)]
+        return super().shell_complete(ctx, incomplete) + extra
+
+
 @app.command(
+    cls=_TrainCommand,
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
     epilog=_trainer_help(),
 )

@@ -16,3 +16,5 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 # A token unique to one launcher's job, in every process it starts: after a kill -9 of the
 # launcher, its watchdog finds what the job left running by this variable (ddprun.reaper).
 JOB_MARKER_ENV = "DDPRUN_JOB"
+# ddprun.launch(fn): the file, in the job's private folder, holding fn and its arguments (worker/call.py).
+CALL_FILE_ENV = "DDPRUN_CALL_FILE"

@@ -31,10 +31,13 @@ class _Rendezvous:
     held: rendezvous.HeldStore | None
 
 
-def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] = lambda: None) -> int:
+def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] = lambda: None,
+            on_failure: Callable[[list, Any], None] = lambda failures, panel: None) -> int:
     """Launch the job and return ddprun's exit code. Raises UsageError if the port is taken.
 
     `announce` runs once the rendezvous port is held, just before the workers start.
+    `on_failure(failures, panel)` gets the failed ranks (report.RankFailure) and the panel shown
+    (ddprun.api raises them as JobFailed).
     """
     # Imported before the loggers are tuned: torch sets each module logger's level on import.
     import torch.distributed.run  # noqa: F401
@@ -63,7 +66,7 @@ def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] 
                 launcher()
                 return 0
             except ChildFailedError as failed:
-                return _report_failure(failed, plan=plan, logs=logs, console=console)
+                return _report_failure(failed, plan=plan, logs=logs, console=console, on_failure=on_failure)
             except SignalException as stopped:
                 say(f"stopped by {stopped.sigval.name}; the workers were stopped too.")
                 return 128 + int(stopped.sigval)
@@ -168,11 +171,14 @@ def _build_launcher(plan: LaunchPlan, rdzv: _Rendezvous, *, on_start: Callable[[
     return (lambda: elastic_launch(config, entrypoint)(*entrypoint_args)), logs
 
 
-def _report_failure(failed: Any, *, plan: LaunchPlan, logs: Any, console: Console) -> int:
+def _report_failure(failed: Any, *, plan: LaunchPlan, logs: Any, console: Console,
+                    on_failure: Callable[[list, Any], None] = lambda failures, panel: None) -> int:
     attempt = logs.current
     stderr_logs = {rank: attempt.stderr_log(rank) for rank in attempt.global_ranks.values()} if attempt else {}
     failures = report.failures_from_torch(failed.failures, stderr_logs=stderr_logs)
-    console.print(report.render_failure(failures, log_location=plan.log_dir, attempt=attempt.number if attempt else None))
+    panel = report.render_failure(failures, log_location=plan.log_dir, attempt=attempt.number if attempt else None)
+    console.print(panel)
+    on_failure(failures, panel)
     return report.exit_code_for(report.root_cause(failures))
 
 
