@@ -51,6 +51,8 @@ JoinTimeout = Annotated[Optional[str], typer.Option("--join-timeout", metavar="S
 ForwardSignal = Annotated[Optional[List[str]], typer.Option("--forward-signal", metavar="SIGNAL", help="Forward SIGUSR1, SIGUSR2 or SIGHUP to the workers (scheduler preemption notices). Repeatable.", show_default=False)]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Start nothing: print the equivalent torchrun command on stdout.")]
 AsJson = Annotated[bool, typer.Option("--json", help="With --dry-run: print the plan as JSON.")]
+StallTimeout = Annotated[Optional[str], typer.Option("--stall-timeout", metavar="SECONDS", envvar="DDPRUN_STALL_TIMEOUT", help="Report a job in which no rank advanced for SECONDS (no new output, no progress, the same stacks): print every rank's stacks once, with the word stalled. Default: off. The flag wins over DDPRUN_STALL_TIMEOUT.", show_default=False)]
+OnStall = Annotated[str, typer.Option("--on-stall", metavar="report|kill", help="What a stall does: report (print the stacks, keep waiting) or kill (also end the job, exit 1).")]
 
 
 # --- torchrun's own options, with torchrun's meaning (see ddprun.torchrun_compat) ----------------
@@ -137,6 +139,8 @@ def _launch_options(entrypoint: Entrypoint, flags: dict, given: dict | None = No
         tty_rank=preflight.parse_int(flags.get("tty_rank"), flag="--tty-rank", example="0"),
         torchrun=torchrun_compat.choices(given) if given else torchrun_compat.TorchrunChoices(),
         labels={k: g.label for k, g in given.items() if g.label},
+        stall_timeout_s=preflight.parse_seconds(flags["stall_timeout"], flag="--stall-timeout"),
+        on_stall=flags["on_stall"],
     )
 
 
@@ -259,6 +263,7 @@ def run(
     rdzv_endpoint: RdzvEndpoint = None, rdzv_id: RdzvId = None,
     max_restarts: MaxRestarts = "0", log_dir: LogDir = None, keep_logs: KeepLogs = str(runfolders.DEFAULT_KEEP), ranks: Ranks = None,
     grace_period: GracePeriod = f"{DEFAULT_GRACE_PERIOD_S:g}", join_timeout: JoinTimeout = None, forward_signal: ForwardSignal = None,
+    stall_timeout: StallTimeout = None, on_stall: OnStall = "report",
     dry_run: DryRun = False, as_json: AsJson = False,
 ) -> None:
     """Run any script (or module) on every rank, launched properly. torchrun's options work too, with torchrun's meaning."""
@@ -303,6 +308,7 @@ def train(
     rdzv_endpoint: RdzvEndpoint = None, rdzv_id: RdzvId = None,
     max_restarts: MaxRestarts = "0", log_dir: LogDir = None, keep_logs: KeepLogs = str(runfolders.DEFAULT_KEEP), ranks: Ranks = None,
     grace_period: GracePeriod = f"{DEFAULT_GRACE_PERIOD_S:g}", join_timeout: JoinTimeout = None, forward_signal: ForwardSignal = None,
+    stall_timeout: StallTimeout = None, on_stall: OnStall = "report",
     dry_run: DryRun = False, as_json: AsJson = False,
 ) -> None:
     """Train an image classifier with the bundled DDP trainer (resnet18 on synthetic data by default)."""
@@ -338,6 +344,32 @@ def doctor(
         console=stderr,
     )
     raise typer.Exit(code)
+
+
+@app.command()
+def stacks(
+    job: Annotated[Optional[str], typer.Argument(metavar="[JOB]", help="A job id (ddprun-...) or a job folder (DIR/<job id>). Default: your only running job.", show_default=False)] = None,
+    native: Annotated[bool, typer.Option("--native", help="Also show every rank's native stack through py-spy (py-spy must be installed).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the stacks as JSON on stdout.")] = False,
+) -> None:
+    """Where is every rank of a running job? All threads' stacks, grouped; the job keeps running."""
+    import shutil
+
+    from ddprun import stacks as stack_tools
+
+    if native and not shutil.which("py-spy"):
+        raise UsageError("--native needs py-spy on PATH: pip install py-spy")
+    folder = stack_tools.find_job(job, roots=stack_tools.search_roots(os.environ), uid=os.getuid())
+    attempt = stack_tools.latest_attempt(folder)
+    if attempt is None:
+        stderr.print(f"ddprun: {escape(folder.name)} has not started its workers yet.")
+        raise typer.Exit(0)
+    snapshot = stack_tools.collect(attempt, native=native)
+    if as_json:
+        print(stack_tools.to_json(snapshot))
+    else:
+        stderr.print(f"ddprun: {escape(folder.name)}, {attempt.name}: {len(snapshot)} rank(s) on this node")
+        Console(highlight=False, soft_wrap=True).print(stack_tools.render(snapshot))
 
 
 @app.command(context_settings=PASSTHROUGH)

@@ -30,6 +30,7 @@ class DeathWatch:
         self.deaths: list[Death] = []
         self._seen: set[int] = set()
         self._previous: Callable | int | None = None
+        self.on_death: Callable[[Death], None] | None = None  # called in the handler, once per child
 
     def __enter__(self) -> "DeathWatch":
         self._previous = signal.signal(signal.SIGCHLD, self._on_sigchld)
@@ -51,6 +52,8 @@ class DeathWatch:
             self._seen.add(pid)
             code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
             self.deaths.append(Death(pid, code, time.monotonic()))
+            if self.on_death is not None:
+                self.on_death(self.deaths[-1])
 
     def first_failure_since(self, moment: float) -> Death | None:
         return next((d for d in self.deaths if d.at >= moment and d.exitcode != 0), None)

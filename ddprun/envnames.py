@@ -16,5 +16,9 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 # A token unique to one launcher's job, in every process it starts: after a kill -9 of the
 # launcher, its watchdog finds what the job left running by this variable (ddprun.reaper).
 JOB_MARKER_ENV = "DDPRUN_JOB"
+# Where each rank's stack dumps go (its file in the attempt folder, 0600), and the real-time
+# signal (SIGRTMIN + this offset) that asks a rank for one (ddprun.stacks, worker/stackdump.py).
+STACKS_FILE_ENV = "DDPRUN_STACKS_FILE"
+STACKS_SIGNAL_OFFSET = 7
 # ddprun.launch(fn): the file, in the job's private folder, holding fn and its arguments (worker/call.py).
 CALL_FILE_ENV = "DDPRUN_CALL_FILE"

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 from rich.console import Console
 from rich.markup import escape
 
-from ddprun import live, reaper, rendezvous, report, signals, torch_internals, torchrun_compat
+from ddprun import live, reaper, rendezvous, report, signals, stall, torch_internals, torchrun_compat
 from ddprun.deaths import DeathWatch, rank_of
 from ddprun.envnames import LAUNCHER_PID_ENV
 from ddprun.errors import DdprunError
@@ -54,20 +54,28 @@ def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] 
         restarts = _Restarts(say=say, deaths=deaths, join_watch=watch)
         launcher, logs = _build_launcher(plan, rdzv, on_start=restarts.on_start, say=say)
         restarts.logs = logs
+        hangs = stall.HangWatch(plan, console=console, say=say, attempt=lambda: logs.current)
+        deaths.on_death = hangs.on_death  # exit codes for `ddprun stacks`; a sample when a rank fails
         announce()
         show_progress = live.progress_bar(console, path=os.path.join(plan.log_dir, "progress.jsonl"))
 
         def graceful_stop(sig: signal.Signals) -> None:
+            if sig == signal.SIGINT and logs.current is not None:
+                hangs.show_interrupted()  # where every rank was, before they are stopped
             raise SignalException(f"ddprun got {sig.name}", sigval=sig)
 
         with signals.handling(forward=plan.forward_signals, graceful_stop=graceful_stop,
-                              workers_started=lambda: logs.current is not None, say=say), show_progress:
+                              workers_started=lambda: logs.current is not None, say=say), show_progress, hangs:
             try:
                 launcher()
                 return 0
             except ChildFailedError as failed:
-                return _report_failure(failed, plan=plan, logs=logs, console=console, on_failure=on_failure)
+                return _report_failure(failed, plan=plan, logs=logs, console=console, notes=hangs.failure_notes,
+                                       on_failure=on_failure)
             except SignalException as stopped:
+                if hangs.ended_stalled:
+                    say("stopped: the job stalled (--on-stall kill); the workers were stopped too.")
+                    return 1
                 say(f"stopped by {stopped.sigval.name}; the workers were stopped too.")
                 return 128 + int(stopped.sigval)
             except Exception as error:
@@ -172,11 +180,13 @@ def _build_launcher(plan: LaunchPlan, rdzv: _Rendezvous, *, on_start: Callable[[
 
 
 def _report_failure(failed: Any, *, plan: LaunchPlan, logs: Any, console: Console,
+                    notes: Callable[[list], list] = lambda failures: [],
                     on_failure: Callable[[list, Any], None] = lambda failures, panel: None) -> int:
     attempt = logs.current
     stderr_logs = {rank: attempt.stderr_log(rank) for rank in attempt.global_ranks.values()} if attempt else {}
     failures = report.failures_from_torch(failed.failures, stderr_logs=stderr_logs)
-    panel = report.render_failure(failures, log_location=plan.log_dir, attempt=attempt.number if attempt else None)
+    panel = report.render_failure(failures, log_location=plan.log_dir, attempt=attempt.number if attempt else None,
+                                  notes=notes(failures))
     console.print(panel)
     on_failure(failures, panel)
     return report.exit_code_for(report.root_cause(failures))

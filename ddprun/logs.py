@@ -18,7 +18,7 @@ from typing import Callable
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
 from ddprun import runfolders, torch_internals, torchrun_compat
-from ddprun.envnames import ERROR_FILE_ENV, PID_FILE_ENV
+from ddprun.envnames import ERROR_FILE_ENV, PID_FILE_ENV, STACKS_FILE_ENV
 
 from ddprun.plan import LINE_PREFIX_TEMPLATE, ConsoleChoices  # noqa: E402,F401  (re-exported)
 
@@ -51,6 +51,9 @@ class Attempt:
 
     def pid_file(self, rank: int) -> Path:
         return self.directory / f"rank_{rank}.pid"
+
+    def stacks_file(self, rank: int) -> Path:  # the rank's faulthandler dumps (ddprun.stacks)
+        return self.directory / f"rank_{rank}.stacks"
 
 
 class RankLogsSpecs(LogsSpecs):
@@ -91,6 +94,7 @@ class RankLogsSpecs(LogsSpecs):
                 runfolders.make_private_file(str(path))
             env[ERROR_FILE_ENV] = dest.error_files[local_rank]
             env[PID_FILE_ENV] = str(attempt.pid_file(rank))
+            env[STACKS_FILE_ENV] = str(attempt.stacks_file(rank))
             self._route(dest, local_rank=local_rank, rank=rank)
         torch_internals.tune_logs_dest(dest)
         self.attempts.append(attempt)

@@ -25,6 +25,10 @@ DEFAULT_JOIN_TIMEOUT_S = 600.0  # torch's own default for both rendezvous backen
 MAX_CPU_PROCS_PER_CORE = 4
 MAX_PROCS_PER_NODE = 4096
 LINE_PREFIX_TEMPLATE = "[rank ${rank}] "
+# What a stalled job gets (--on-stall): its stacks printed once, or also ended with exit 1.
+ON_STALL_CHOICES = ("report", "kill")
+# The NCCL flight recorder: each rank's last collectives, dumped into the job folder on a timeout.
+FLIGHT_RECORDER_PREFIX = "nccl_trace/rank_"
 # The signals a scheduler sends before preemption; forwarded to workers only on request.
 FORWARDABLE_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP")
 
@@ -65,6 +69,8 @@ class LaunchOptions:
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     join_timeout_s: float | None = None
     forward_signals: tuple[str, ...] = ()
+    stall_timeout_s: float | None = None  # --stall-timeout: None is off
+    on_stall: str = "report"  # --on-stall report|kill
     force: bool = False  # past the sanity limit on processes per node
     tty_rank: int | None = None  # the rank that gets the terminal (default 0, in a terminal)
     torchrun: torchrun_compat.TorchrunChoices = field(default_factory=torchrun_compat.TorchrunChoices)
@@ -99,6 +105,8 @@ class LaunchChoices:
     launcher_env: dict[str, str]  # set in the launcher only, for torch's agent
     launch_env: dict[str, str]  # per-rank variables set at launch: name -> what it holds
     lost_in_torchrun_line: list[str]  # guarantees the printed torchrun line would not keep
+    # Ctrl-\ (SIGQUIT) prints every rank's stacks; False where torch < 2.10 takes SIGQUIT itself.
+    stacks_on_sigquit: bool = False
     # An explicit loopback --rdzv-endpoint on one node: its port when free, else any free port.
     store_port_fallback: bool = False
     # torchrun's --master-port on one node: the workers' MASTER_ADDR:MASTER_PORT, served by rank 0.
@@ -132,6 +140,8 @@ class LaunchPlan:
     notices: list[str]
     source: dict[str, str]
     launch: LaunchChoices
+    stall_timeout_s: float | None = None  # report (or end) the job when no rank advanced for this long
+    on_stall: str = "report"
     console: ConsoleChoices = field(default_factory=ConsoleChoices)
     user_rdzv_id: str | None = None  # an id given for a one-node job: shown, not used as the store key
 
@@ -187,6 +197,7 @@ def build_plan(
     endpoint = _endpoint(spec, options.port or (local.value.port if local else None))
     conf, join_timeout_s = _rdzv_conf(options, spec)
     worker_env = _worker_env(chosen, env=env, cpu_count=cpu_count, multi_node=spec.is_multi_node())
+    worker_env.update(_flight_recorder_env(chosen.backend, env=env, job_folder=_job_folder(options.log_dir or log_root, job_id)))
     notices = chosen.notices + _env_notices(worker_env, env=env, cpu_count=cpu_count, nproc=chosen.nproc)
     notices += _misplaced_flag_notices(options.entrypoint)
     notices += _torchrun_notices(options, spec=spec, workers_master=workers_master, join_timeout_s=join_timeout_s)
@@ -205,13 +216,15 @@ def build_plan(
         rdzv_id=rdzv_id,
         endpoint=endpoint,
         store_role=_store_role(spec),
-        log_dir=f"{(options.log_dir or log_root).rstrip('/')}/{job_id}",  # never the user's folder itself
+        log_dir=_job_folder(options.log_dir or log_root, job_id),  # never the user's folder itself
         private_log_root=options.log_dir is None,
         keep_logs=options.keep_logs,
         ranks=ranks,
         grace_period_s=options.grace_period_s,
         join_timeout_s=join_timeout_s or DEFAULT_JOIN_TIMEOUT_S,
         forward_signals=list(options.forward_signals),
+        stall_timeout_s=options.stall_timeout_s,
+        on_stall=options.on_stall,
         notices=notices,
         source=_sources(options, spec=spec, local=local),
         launch=replace(_launch_choices(spec, features=features, forward=options.forward_signals,
@@ -249,6 +262,10 @@ def _check_generic_options(options: LaunchOptions) -> None:
     for name in options.forward_signals:
         if name not in FORWARDABLE_SIGNALS:
             raise UsageError(f"--forward-signal {name}: choose from {', '.join(FORWARDABLE_SIGNALS)}")
+    if options.stall_timeout_s is not None and options.stall_timeout_s <= 0:
+        raise UsageError(f"--stall-timeout {options.stall_timeout_s:g}: must be more than 0 seconds, e.g. --stall-timeout 300")
+    if options.on_stall not in ON_STALL_CHOICES:
+        raise UsageError(f"--on-stall {options.on_stall}: choose report (print the stacks, keep waiting) or kill (end the job, exit 1)")
 
 
 def _check_torch_features(options: LaunchOptions, features: torch_internals.TorchFeatures) -> None:
@@ -411,6 +428,7 @@ _LAUNCH_ENV = {
     envnames.PID_FILE_ENV: "where the rank writes its pid (the launcher maps a dead pid to its rank)",
     envnames.ERROR_FILE_ENV: "where the rank records an uncaught exception",
     envnames.PROGRESS_FILE_ENV: "where the bundled trainer's rank 0 appends progress records",
+    envnames.STACKS_FILE_ENV: "where the rank's faulthandler writes its stacks when asked (ddprun stacks, Ctrl-\\)",
 }
 _FRESH_STORE_ENV = {
     "MASTER_ADDR": "127.0.0.1: the workers' store, served by ddprun",
@@ -419,6 +437,8 @@ _FRESH_STORE_ENV = {
 }
 # torchrun's own handling of these stops the job; ddprun relays them when asked (--forward-signal).
 _TORCH_STOP_SIGNALS = ("SIGHUP", "SIGQUIT")
+# Ctrl-\ prints every rank's stacks without stopping the job, where torch lets ddprun have it.
+_STACKS_SIGNALS = ("SIGQUIT",)
 
 
 _MASTER_PORT_ENV = {
@@ -448,13 +468,14 @@ def _launch_choices(spec: cluster.ClusterSpec, *, features: torch_internals.Torc
         fresh_worker_store=fresh,
         local_worker_store_hook=not single and role != "client" and spec.rdzv_backend != "static"
         and features.shared_store_switch,
-        torch_signals=[s for s in _TORCH_STOP_SIGNALS if s not in forward or not features.launcher_handles_signals]
-        + list(extra_signals),
+        torch_signals=[s for s in _TORCH_STOP_SIGNALS if not features.launcher_handles_signals
+                       or (s not in forward and s not in _STACKS_SIGNALS)] + list(extra_signals),
         grace_period_honoured=features.launcher_shutdown_timeout or grace_period_s == 30,
         launcher_env={torch_internals.DISABLE_SHARED_STORE_ENV: "1"} if fresh or workers_master else {},
         launch_env={**_LAUNCH_ENV, **(_FRESH_STORE_ENV if fresh else {}), **(_MASTER_PORT_ENV if workers_master else {})},
         lost_in_torchrun_line=lost,
         workers_master=workers_master,
+        stacks_on_sigquit=features.launcher_handles_signals,
     )
 
 
@@ -504,6 +525,24 @@ def _torchrun_notices(options: LaunchOptions, *, spec: cluster.ClusterSpec, work
                      f"{spec.min_nodes.value} node(s) joined, the rendezvous waits {last_call} s for more, so it "
                      "times out first; lower it with --rdzv-conf last_call_timeout=N.")
     return notes
+
+
+def _job_folder(root: str, job_id: str) -> str:
+    return f"{root.rstrip('/')}/{job_id}"
+
+
+def _flight_recorder_env(backend: str, *, env: Mapping[str, str], job_folder: str) -> dict[str, str]:
+    """NCCL jobs: torch's flight recorder keeps each rank's last collectives and dumps them into
+    the job folder when a collective times out; a variable the user set stays theirs."""
+    if backend != "nccl":
+        return {}
+    wanted = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{job_folder}/{FLIGHT_RECORDER_PREFIX}",
+    }
+    sized = "TORCH_FR_BUFFER_SIZE" in env  # torch's newer name for the buffer size
+    return {k: v for k, v in wanted.items() if k not in env and not (sized and k == "TORCH_NCCL_TRACE_BUFFER_SIZE")}
 
 
 def _worker_env(chosen: _Devices, *, env: Mapping[str, str], cpu_count: int, multi_node: bool) -> dict[str, str]:

@@ -416,17 +416,20 @@ _MESSAGE_LINES = 6
 
 
 def render_failure(
-    failures: Sequence[RankFailure], *, log_location: str | None, attempt: int | None = None
+    failures: Sequence[RankFailure], *, log_location: str | None, attempt: int | None = None,
+    notes: Sequence[Text] = (),
 ) -> Panel:
     """One panel: the root-cause rank, its error and where, its last stderr lines, hints.
 
     `attempt` is torch's restart count (0 for the first run); shown when it is above 0.
+    `notes` follow the other ranks' line: e.g. a collective timeout's likely culprit (ddprun.stall).
     """
     cause = root_cause(failures)
     others = [f for f in failures if f is not cause]
     parts: list[Text] = [_headline(cause), *_where(cause)]
     if others:
         parts.append(_others(others, cause=cause))
+    parts.extend(notes)
     if cause.stderr_tail:
         parts.append(Text(f"\nLast lines on rank {cause.rank}'s stderr:", style="bold"))
         parts.extend(

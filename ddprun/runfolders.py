@@ -28,6 +28,7 @@ from typing import Mapping
 from ddprun.errors import DdprunError, UsageError
 
 DEFAULT_KEEP = 100
+_START_SLACK_S = 1.5  # how far a process's start time, as psutil reads it, may move
 MARKER = ".ddprun-job"  # written in every job folder ddprun creates; nothing without it is pruned
 JOB_NAME = re.compile(r"^ddprun-[0-9a-f]{8,32}$")  # the job ids the CLI makes
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -234,12 +235,46 @@ def _parse_launcher(text: bytes) -> dict:
     return record if isinstance(record, dict) else {}
 
 
+def running_jobs(root: str, *, uid: int) -> list[str]:
+    """Names of this user's job folders in root whose launcher still runs (for `ddprun stacks`)."""
+    try:
+        root_fd = os.open(root, _DIR_FLAGS)
+    except OSError:
+        return []
+    try:
+        jobs = _job_folders(root_fd, uid=uid, skip="")
+    finally:
+        os.close(root_fd)
+    return sorted(job.name for job in jobs if _launcher_running(job.launcher))
+
+
+def job_launcher(folder: os.PathLike | str) -> dict | None:
+    """The launcher record in a job folder made by this user, or None when it holds none."""
+    root, name = os.path.split(os.path.abspath(folder))
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        job = _read_job(root_fd, name, uid=os.getuid())
+    finally:
+        os.close(root_fd)
+    return job.launcher if job is not None else None
+
+
+def launcher_running(launcher: dict) -> bool:
+    return _launcher_running(launcher)
+
+
 def _launcher_running(launcher: dict) -> bool:
     """Whether the ddprun that made a job folder still runs on this host (same pid, same start)."""
     pid, started = launcher.get("pid"), launcher.get("started")
     if launcher.get("host") != socket.gethostname() or not isinstance(pid, int) or started is None:
         return False
-    return _start_time(pid) == started
+    now = _start_time(pid)
+    # psutil adds /proc/stat's btime, which moves by a second when the clock is adjusted: an
+    # exact match would call a running launcher gone (seen in tests). A reused pid starts later.
+    return now is not None and isinstance(started, (int, float)) and abs(now - started) < _START_SLACK_S
 
 
 def _start_time(pid: int) -> float | None:

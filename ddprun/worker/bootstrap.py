@@ -6,6 +6,9 @@ Usage: python -m ddprun.worker.bootstrap SCRIPT [ARGS...]
 An uncaught exception is written to torch elastic's error file (TORCHELASTIC_ERROR_FILE) in the
 format `torch.distributed.elastic.multiprocessing.errors.record` writes, so no user script needs
 decorating. torch is not imported here: a script that never imports torch starts fast.
+
+Before the user's code runs, worker/stackdump.py registers faulthandler on a real-time signal,
+so `ddprun stacks`, Ctrl-\\ and the stall watch can ask this rank where it is at no cost until asked.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from types import TracebackType
 
 from ddprun import torch_internals
 from ddprun.envnames import ERROR_FILE_ENV, LAUNCHER_PID_ENV, PID_FILE_ENV
+from ddprun.worker import stackdump
 
 _PR_SET_PDEATHSIG = 1
 _USAGE = "usage: python -m ddprun.worker.bootstrap SCRIPT [ARGS...] | -m MODULE [ARGS...]"
@@ -142,6 +146,7 @@ def main() -> None:
     die_with_launcher()
     _write_pid_file()
     _enable_faulthandler()
+    stackdump.install()  # `ddprun stacks`, Ctrl-\ and the stall watch ask through it
     error_file = os.environ.get(ERROR_FILE_ENV) or None
     before = _file_state(error_file) if error_file else None
     try:
