@@ -148,11 +148,10 @@ def test_stall_report_from_the_environment_keeps_waiting(env, tmp_path):
     assert f"Likely cause: {RANK1}" in err
 
 
-@pytest.mark.parametrize("value,expected", [("0", "more than 0"), ("-1", "more than 0"), ("nan", "finite"),
-                                            ("inf", "finite")])
-def test_a_bad_stall_timeout_exits_2(value, expected, env):
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_bad_stall_timeout_exits_2(value, env):
     result = run_ddprun(["run", "--cpu", f"--stall-timeout={value}", str(DEADLOCK)], env=env, timeout=30)
-    assert result.returncode == 2 and "--stall-timeout" in result.stderr and expected in result.stderr
+    assert result.returncode == 2 and f"--stall-timeout {value}:" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 
 
