@@ -155,7 +155,7 @@ def installed_torch() -> str:
 
 
 def _warn(notice: str) -> None:
-    stderr.print(f"[bold yellow]ddprun: warning:[/] {escape(notice)}")
+    stderr.print(f"[bold yellow]ddprun: warning:[/] {escape(notice)}", soft_wrap=True)
 
 
 def _with_file_labels(ctx: typer.Context | None, given: dict, values: dict) -> dict:
@@ -183,7 +183,7 @@ def _launch_or_print(plan: LaunchPlan, *, dry_run: bool, as_json: bool) -> int:
         print(plan.to_json() if as_json else plan.shell_command())
         if plan.launch.lost_in_torchrun_line and not as_json:
             stderr.print(f"ddprun: note: run by hand, this torchrun line loses "
-                         f"{escape('; '.join(plan.launch.lost_in_torchrun_line))}. --json shows what ddprun does.")
+                         f"{escape('; '.join(plan.launch.lost_in_torchrun_line))}. --json shows what ddprun does.", soft_wrap=True)
         return 0
     from ddprun import launch, panels
 
