@@ -317,7 +317,8 @@ def train(
     trainer = train_options.parse_cli(ctx.args)
     train_options.validate(trainer)  # the trainer's own checks need no plan: they come first
     flags = dict(locals())
-    entrypoint = Entrypoint(train_options.WORKER_MODULE, tuple(train_options.to_argv(trainer)), is_module=True)
+    entrypoint = Entrypoint(train_options.WORKER_MODULE, tuple(train_options.to_argv(trainer)), is_module=True,
+                            bundled=True)
     plan = _plan(_launch_options(entrypoint, flags))
     train_options.validate(trainer, world_size=plan.world_size)
     raise typer.Exit(_launch_or_print(plan, dry_run=dry_run, as_json=as_json))

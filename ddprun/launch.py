@@ -189,7 +189,7 @@ def _report_failure(failed: Any, *, plan: LaunchPlan, logs: Any, console: Consol
                                   notes=notes(failures))
     console.print(panel)
     on_failure(failures, panel)
-    return report.exit_code_for(report.root_cause(failures))
+    return report.exit_code_for(report.root_cause(failures), bundled_worker=plan.bundled_worker)
 
 
 def _raise_if_join_failed(error: Exception, *, watch: Any, logs: Any) -> None:

@@ -41,6 +41,7 @@ class Entrypoint:
     args: tuple[str, ...] = ()
     is_module: bool = False
     no_python: bool = False  # torchrun's --no-python: a program, executed after the worker setup
+    bundled: bool = False  # ddprun's own trainer: its exit 2 is ddprun refusing bad input
 
     def _mode(self) -> list[str]:
         return ["-m"] if self.is_module else ["--no-python"] if self.no_python else []
@@ -124,6 +125,7 @@ class LaunchPlan:
     devices: list[str] | None
     device_labels: list[str]
     entrypoint: str
+    bundled_worker: bool  # the workers are ddprun's own (ddprun train): their exit 2 stays 2
     job_id: str  # names the log folder; shown to the user
     rdzv_id: str  # secret unless the user chose it: never shown outside --dry-run
     endpoint: str
@@ -212,6 +214,7 @@ def build_plan(
         devices=[g.entry for g in chosen.selected] if chosen.selected is not None else None,
         device_labels=_device_labels(chosen),
         entrypoint=options.entrypoint.describe(),
+        bundled_worker=options.entrypoint.bundled,
         job_id=job_id,
         rdzv_id=rdzv_id,
         endpoint=endpoint,

@@ -11,7 +11,7 @@ import shutil
 import sys
 from importlib.machinery import PathFinder
 
-from ddprun import torchrun_compat
+from ddprun import runfolders, torchrun_compat
 from ddprun.errors import UsageError
 from ddprun.plan import Entrypoint
 
@@ -80,17 +80,10 @@ def check_log_dir(log_dir: str | None) -> str | None:
     """The absolute --log-dir, if ddprun can make its job folder there; creates nothing."""
     if log_dir is None:
         return None
-    path = os.path.abspath(log_dir)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"--log-dir {log_dir}: this is a file; give a directory, e.g. --log-dir ./logs")
-    existing = path
-    while not os.path.lexists(existing):  # the folder that would hold what ddprun creates
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UsageError(f"--log-dir {log_dir}: {existing} is not a folder; give a directory, e.g. --log-dir ./logs")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--log-dir {log_dir}: {existing} is not writable by you; give a folder you can write, e.g. --log-dir ./logs")
-    return path
+    problem = runfolders.folder_problem(log_dir)
+    if problem:
+        raise UsageError(f"--log-dir {log_dir}: {problem}; give a folder you can write, e.g. --log-dir ./logs")
+    return os.path.abspath(log_dir)
 
 
 def parse_int(text: str | None, *, flag: str, example: str) -> int | None:

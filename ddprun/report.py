@@ -384,10 +384,14 @@ def root_cause(failures: Sequence[RankFailure]) -> RankFailure:
 RESERVED_EXIT_CODES = (2,)
 
 
-def exit_code_for(failure: RankFailure) -> int:
-    """ddprun's exit code: the worker's own when it is 1..125 and not reserved (2 -> 1), else 1."""
+def exit_code_for(failure: RankFailure, *, bundled_worker: bool = False) -> int:
+    """ddprun's exit code: the worker's own when it is 1..125 and not reserved (2 -> 1), else 1.
+
+    ddprun's own trainer exits 2 when it refuses bad input that only a worker can see (a corrupt
+    checkpoint): that is ddprun's refusal, so it stays 2."""
     code = failure.exitcode
-    return code if 1 <= code <= 125 and code not in RESERVED_EXIT_CODES else 1
+    reserved = () if bundled_worker else RESERVED_EXIT_CODES
+    return code if 1 <= code <= 125 and code not in reserved else 1
 
 
 # ---------------------------------------------------------------- the panel

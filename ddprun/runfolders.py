@@ -162,6 +162,24 @@ def _create_job(root_fd: int, name: str, *, shown: str) -> None:
         os.close(job_fd)
 
 
+def folder_problem(path: str) -> str | None:
+    """Why a folder could not be created (or written) at `path`, or None; creates nothing.
+
+    Looks at `path` itself when it exists, else at its nearest existing ancestor (a path under a
+    file reads as missing all the way up to that file)."""
+    target = os.path.abspath(path)
+    if os.path.exists(target) and not os.path.isdir(target):
+        return f"{target} is a file, not a folder"
+    existing = target
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by you"
+    return None
+
+
 def make_private_dir(path: str) -> None:
     """A new folder (never an existing one) with mode 0700, inside a folder ddprun made."""
     os.mkdir(path, 0o700)

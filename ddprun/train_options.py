@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ddprun import runfolders
 from ddprun.errors import UsageError
 
 SMALL_MODELS = ("mlp", "cnn")
@@ -313,19 +314,11 @@ def _check_run_control(opts: TrainOptions) -> None:
 
 
 def _check_checkpoint_dir(path: str) -> None:
-    """The directory exists and is writable, or its nearest existing ancestor is a directory that is.
-    Nothing is created here (--dry-run runs these checks too); the first save creates it."""
-    target = os.path.abspath(path)
-    if os.path.exists(target) and not os.path.isdir(target):
-        raise UsageError(f"--checkpoint-dir {path} exists and is not a directory")
-    existing = target
-    while not os.path.exists(existing):  # ENOTDIR under a file also reads as missing
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UsageError(f"--checkpoint-dir {path} cannot be created: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == target else f"cannot be created: {existing} is not writable"
-        raise UsageError(f"--checkpoint-dir {path} {what}",
+    """The directory exists and is writable, or can be created. Nothing is created here (--dry-run
+    runs these checks too); the first save creates it."""
+    problem = runfolders.folder_problem(path)
+    if problem:
+        raise UsageError(f"--checkpoint-dir {path}: {problem}",
                          hint="point --checkpoint-dir at a directory you can write to")
 
 

@@ -44,3 +44,27 @@ def run_ddprun(args: list[str], *, env: dict[str, str], timeout: float = 120, cw
     return subprocess.run(
         ddprun_command() + args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
     )
+
+
+# Runs the CLI in-process as `ddprun ARGS`, then says on stderr which heavy modules it imported.
+_IMPORT_PROBE = """
+import sys
+from ddprun.cli import main
+sys.argv = ["ddprun", *sys.argv[1:]]
+try:
+    main()
+except SystemExit:
+    pass
+print("TORCH" if "torch" in sys.modules else "NO-TORCH", file=sys.stderr)
+print("PSUTIL" if "psutil" in sys.modules else "NO-PSUTIL", file=sys.stderr)
+"""
+
+
+def heavy_imports(args: list[str], *, env: dict[str, str]) -> list[str]:
+    """Which of torch and psutil a `ddprun ARGS` call imported (the probe's last two lines)."""
+    result = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, *args], env=env,
+                            capture_output=True, text=True, timeout=60)
+    tail = result.stderr.strip().splitlines()[-2:]
+    assert tail and tail[-1].endswith("PSUTIL"), result.stderr
+    return [name for name in ("TORCH", "PSUTIL") if name in tail]
+

@@ -540,3 +540,10 @@ def test_summarize_gives_one_line_for_restart_messages():
     assert report.summarize(failure(0, 3)) == "rank 0 exited with code 3"
     multi = failure(2, 1, exc_type="RuntimeError", exc_message="CUDA error\nmore detail")
     assert report.summarize(multi) == "rank 2 failed: RuntimeError: CUDA error"
+
+
+def test_the_bundled_trainer_s_refusal_keeps_exit_2():
+    """ddprun train's workers exit 2 only to refuse bad input they alone can check (a corrupt checkpoint)."""
+    assert exit_code_for(failure(0, 2), bundled_worker=True) == 2
+    assert exit_code_for(failure(0, 2)) == 1
+    assert exit_code_for(failure(0, -9), bundled_worker=True) == 1

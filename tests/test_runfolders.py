@@ -247,7 +247,7 @@ def test_a_log_dir_under_a_file_exits_2_before_anything_starts(cpu_env, tmp_path
     (tmp_path / "file").write_text("x")
     result = run_ddprun(["run", "--log-dir", str(tmp_path / "file" / "logs"), SCRIPT], env=cpu_env, timeout=30)
     assert result.returncode == 2, result.stderr
-    assert f"{tmp_path / 'file'} is not a folder" in result.stderr
+    assert f"{tmp_path / 'file'} is a file, not a folder" in result.stderr
     assert len(result.stderr.strip().splitlines()) <= 2, result.stderr
 
 

@@ -47,7 +47,7 @@ def test_bad_numbers_and_choices(cpu_env, args, needle):
 def test_checkpoint_dir_under_a_file(cpu_env, tmp_path):
     (tmp_path / "file").write_text("")
     refused(run_ddprun(["train", "--cpu", "--checkpoint-dir", str(tmp_path / "file" / "ck")], env=cpu_env),
-            f"cannot be created: {tmp_path / 'file'} is a file")
+            f"{tmp_path / 'file'} is a file, not a folder")
 
 
 def test_resume_without_a_checkpoint(cpu_env, tmp_path):
@@ -86,9 +86,9 @@ def test_read_only_checkpoint_dir(cpu_env, shared_dir):
     read_only.mkdir(mode=0o555)
     cpu_env["HOME"] = str(shared_dir)
     refused(as_nobody(["train", "--cpu", "--checkpoint-dir", str(read_only)], cpu_env),
-            f"--checkpoint-dir {read_only} is not writable")
+            f"--checkpoint-dir {read_only}: {read_only} is not writable by you")
     refused(as_nobody(["train", "--cpu", "--checkpoint-dir", str(read_only / "run")], cpu_env),
-            f"cannot be created: {read_only} is not writable")
+            f"--checkpoint-dir {read_only / 'run'}: {read_only} is not writable by you")
 
 
 def test_unreadable_data_folder(cpu_env, shared_dir):
