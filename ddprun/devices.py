@@ -12,6 +12,7 @@ and read_driver_version(). No torch: this module is imported for --help and --dr
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
 import subprocess
@@ -442,8 +443,20 @@ def _read_nvml_driver_version() -> str | None:
     return _with_nvml(lambda pynvml: _text(pynvml.nvmlSystemGetDriverVersion()) or None)
 
 
+# NVML talks to the kernel driver through these device nodes (/dev/dxg under WSL2); without
+# any of them there is no driver to ask, and importing the bindings would be time lost on every
+# --dry-run of a CPU machine.
+_DRIVER_NODES = ("/dev/nvidiactl", "/dev/dxg")
+
+
+def _driver_present() -> bool:
+    return any(os.path.exists(node) for node in _DRIVER_NODES)
+
+
 def _with_nvml(read: Callable[[Any], _T]) -> _T | None:
     """read(pynvml) inside an initialised NVML session; None when NVML is missing or any call fails."""
+    if not _driver_present():
+        return None
     try:
         import pynvml  # nvidia-ml-py: NVIDIA's own bindings, imported only when the inventory is read
     except ImportError:

@@ -505,6 +505,7 @@ class FakeNvml:
         return result
 
     def install(self, monkeypatch):
+        monkeypatch.setattr(devices, "_driver_present", lambda: True)  # as on a machine with the driver
         answers = {
             "nvmlInit": lambda: self._call("init"),
             "nvmlShutdown": lambda: self._call("shutdown"),
@@ -596,3 +597,11 @@ def test_devices_imports_neither_torch_nor_pynvml():
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert done.stdout.strip() == "False"
+
+
+def test_without_a_driver_s_device_nodes_nvml_is_not_even_imported(stub_smi_two_gpus, monkeypatch):
+    fake = FakeNvml(FOUR_GPUS).install(monkeypatch)
+    monkeypatch.setattr(devices, "_driver_present", lambda: False)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # an import would raise ImportError
+    assert len(read_inventory()) == 2  # nvidia-smi's answer
+    assert fake.calls == []
