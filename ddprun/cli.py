@@ -87,6 +87,7 @@ DupStderr = Annotated[Optional[str], _torchrun("--duplicate-stderr-filters", "--
 PrintCompletion = Annotated[Optional[str], _torchrun("--print-completion", "--print_completion", metavar="SHELL", help="torchrun's; refused.")]
 TtyRank = Annotated[Optional[str], _torchrun("--tty-rank", metavar="R", help="In a terminal, the rank whose stdin/stdout/stderr are the terminal itself (tqdm, colours, breakpoint()). Default: 0.")]
 Force = Annotated[bool, typer.Option("--force", help="Allow more than 4 CPU processes per core.")]
+WarmStart = Annotated[Optional[bool], typer.Option("--warm-start/--fresh-start", envvar="DDPRUN_WARM_START", help="--warm-start: fork every rank from a per-node server that imported torch once (faster starts and restarts; see README for what differs). --fresh-start: a new Python process per rank, as torchrun. Default: warm for ddprun train, fresh for ddprun run. The flag wins over DDPRUN_WARM_START.", show_default=False)]
 
 
 def _given(ctx: typer.Context, values: dict) -> dict[str, torchrun_compat.Given]:
@@ -141,6 +142,7 @@ def _launch_options(entrypoint: Entrypoint, flags: dict, given: dict | None = No
         labels={k: g.label for k, g in given.items() if g.label},
         stall_timeout_s=preflight.parse_seconds(flags["stall_timeout"], flag="--stall-timeout"),
         on_stall=flags["on_stall"],
+        warm_start=flags.get("warm_start"),
     )
 
 
@@ -263,7 +265,7 @@ def run(
     rdzv_endpoint: RdzvEndpoint = None, rdzv_id: RdzvId = None,
     max_restarts: MaxRestarts = "0", log_dir: LogDir = None, keep_logs: KeepLogs = str(runfolders.DEFAULT_KEEP), ranks: Ranks = None,
     grace_period: GracePeriod = f"{DEFAULT_GRACE_PERIOD_S:g}", join_timeout: JoinTimeout = None, forward_signal: ForwardSignal = None,
-    stall_timeout: StallTimeout = None, on_stall: OnStall = "report",
+    stall_timeout: StallTimeout = None, on_stall: OnStall = "report", warm_start: WarmStart = None,
     dry_run: DryRun = False, as_json: AsJson = False,
 ) -> None:
     """Run any script (or module) on every rank, launched properly. torchrun's options work too, with torchrun's meaning."""
@@ -308,7 +310,7 @@ def train(
     rdzv_endpoint: RdzvEndpoint = None, rdzv_id: RdzvId = None,
     max_restarts: MaxRestarts = "0", log_dir: LogDir = None, keep_logs: KeepLogs = str(runfolders.DEFAULT_KEEP), ranks: Ranks = None,
     grace_period: GracePeriod = f"{DEFAULT_GRACE_PERIOD_S:g}", join_timeout: JoinTimeout = None, forward_signal: ForwardSignal = None,
-    stall_timeout: StallTimeout = None, on_stall: OnStall = "report",
+    stall_timeout: StallTimeout = None, on_stall: OnStall = "report", warm_start: WarmStart = None,
     dry_run: DryRun = False, as_json: AsJson = False,
 ) -> None:
     """Train an image classifier with the bundled DDP trainer (resnet18 on synthetic data by default)."""

@@ -22,3 +22,5 @@ STACKS_FILE_ENV = "DDPRUN_STACKS_FILE"
 STACKS_SIGNAL_OFFSET = 7
 # ddprun.launch(fn): the file, in the job's private folder, holding fn and its arguments (worker/call.py).
 CALL_FILE_ENV = "DDPRUN_CALL_FILE"
+# Warm start (ddprun/warmstart.py): the node's fork server's socket, for each rank's small client.
+WARM_SOCKET_ENV = "DDPRUN_WARM_SOCKET"

@@ -16,11 +16,11 @@ from typing import Any, Callable, Iterator
 from rich.console import Console
 from rich.markup import escape
 
-from ddprun import live, reaper, rendezvous, report, signals, stall, torch_internals, torchrun_compat
+from ddprun import live, reaper, warmstart, rendezvous, report, signals, stall, torch_internals, torchrun_compat
 from ddprun.deaths import DeathWatch, rank_of
 from ddprun.envnames import LAUNCHER_PID_ENV
 from ddprun.errors import DdprunError
-from ddprun.plan import BOOTSTRAP_MODULE, LOOPBACK, LaunchPlan
+from ddprun.plan import BOOTSTRAP_MODULE, LOOPBACK, WARM_CLIENT_MODULE, LaunchPlan
 
 _ELASTIC_LOGGER = "torch.distributed.elastic"
 
@@ -39,6 +39,8 @@ def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] 
     `on_failure(failures, panel)` gets the failed ranks (report.RankFailure) and the panel shown
     (ddprun.api raises them as JobFailed).
     """
+    # The fork server imports torch while this process does (warm start; None: fresh ranks).
+    warm = warmstart.start(plan, environ=os.environ)
     # Imported before the loggers are tuned: torch sets each module logger's level on import.
     import torch.distributed.run  # noqa: F401
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -48,11 +50,11 @@ def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] 
     os.environ.update({**plan.env, **plan.launch.launcher_env})
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     say = _sayer(console)
-    with reaper.job_reaper(grace_period_s=plan.grace_period_s, say=say), \
+    with reaper.job_reaper(grace_period_s=plan.grace_period_s, say=say), warmstart.serving(warm), \
             DeathWatch() as deaths, _quiet_torch_logs(), \
             _held_rendezvous(plan, say=say) as rdzv, _join_watch(plan, rdzv, say=say) as watch:
         restarts = _Restarts(say=say, deaths=deaths, join_watch=watch)
-        launcher, logs = _build_launcher(plan, rdzv, on_start=restarts.on_start, say=say)
+        launcher, logs = _build_launcher(plan, rdzv, on_start=restarts.on_start, say=say, warm=warm)
         restarts.logs = logs
         hangs = stall.HangWatch(plan, console=console, say=say, attempt=lambda: logs.current)
         deaths.on_death = hangs.on_death  # exit codes for `ddprun stacks`; a sample when a rank fails
@@ -140,7 +142,7 @@ def _join_watch(plan: LaunchPlan, rdzv: _Rendezvous, *, say: Callable[[str], Non
 
 
 def _build_launcher(plan: LaunchPlan, rdzv: _Rendezvous, *, on_start: Callable[[int, int], None],
-                    say: Callable[[str], None]):
+                    say: Callable[[str], None], warm: warmstart.WarmServer | None = None):
     from torch.distributed import run as torchrun
     from torch.distributed.launcher.api import elastic_launch
 
@@ -152,12 +154,16 @@ def _build_launcher(plan: LaunchPlan, rdzv: _Rendezvous, *, on_start: Callable[[
     with torchrun_compat.pet_variables_hidden():  # read and checked by ddprun already; the args say it all
         config, entrypoint, entrypoint_args = torchrun.config_from_args(torchrun.parse_args(rdzv.torchrun_args[:split]))
     entrypoint_args = [*entrypoint_args, *rdzv.torchrun_args[split:]]
+    if warm is not None:  # each rank's process is the small client; it execs the bootstrap when cold
+        entrypoint_args[entrypoint_args.index(BOOTSTRAP_MODULE)] = WARM_CLIENT_MODULE
     choices = plan.launch
     stores = rendezvous.WorkerStores(bind_host=rdzv.held.host if rdzv.held else LOOPBACK,
                                      implementation=choices.store_implementation, say=say)
 
     def on_attempt(number: int, envs: dict[int, dict[str, str]]) -> None:
         on_start(number, config.max_restarts)
+        if warm is not None:
+            warm.prepare(envs, say=say)
         if choices.fresh_worker_store and rdzv.held is not None:
             stores.fresh_for(envs)
         elif choices.workers_master:

@@ -17,6 +17,12 @@ from ddprun.errors import UsageError
 LOOPBACK = "127.0.0.1"
 LOOPBACK_IFNAME = "lo"
 BOOTSTRAP_MODULE = "ddprun.worker.bootstrap"
+# Warm start: what torch elastic starts per rank instead (it hands the rank to the fork server).
+WARM_CLIENT_MODULE = "ddprun.worker.warmclient"
+TRAINER_MODULE = "ddprun.worker.train"
+# What the fork server imports once per node: what every DDP script needs; the trainer's own.
+WARM_PRELOAD = ("torch", "torch.distributed")
+WARM_PRELOAD_TRAINER = ("torch", "torch.distributed", "torchvision", TRAINER_MODULE)
 DEFAULT_CPU_PROCS = 2
 DEFAULT_GRACE_PERIOD_S = 10.0
 DEFAULT_JOIN_TIMEOUT_S = 600.0  # torch's own default for both rendezvous backends
@@ -76,6 +82,7 @@ class LaunchOptions:
     tty_rank: int | None = None  # the rank that gets the terminal (default 0, in a terminal)
     torchrun: torchrun_compat.TorchrunChoices = field(default_factory=torchrun_compat.TorchrunChoices)
     labels: dict[str, str] = field(default_factory=dict)  # option -> how it was given: flag, DDPRUN_*, PET_*
+    warm_start: bool | None = None  # --warm-start/--fresh-start; None: the default for the entrypoint
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,9 @@ class LaunchChoices:
     store_port_fallback: bool = False
     # torchrun's --master-port on one node: the workers' MASTER_ADDR:MASTER_PORT, served by rank 0.
     workers_master: str | None = None
+    # Ranks forked from a per-node server that imported these modules once (ddprun/warmstart.py).
+    warm_start: bool = False
+    warm_preload: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -233,7 +243,8 @@ def build_plan(
         launch=replace(_launch_choices(spec, features=features, forward=options.forward_signals,
                                        grace_period_s=options.grace_period_s, workers_master=workers_master,
                                        extra_signals=options.torchrun.signals_to_handle),
-                       store_port_fallback=local is not None and options.port is None),
+                       store_port_fallback=local is not None and options.port is None,
+                       **_warm_start(options)),
         console=_console(options, env=env, terminal=terminal, world=world),
         user_rdzv_id=str(spec.rdzv_id.value) if spec.rdzv_id and not spec.is_multi_node() else (
             options.cluster.rdzv_id if local else None),
@@ -480,6 +491,17 @@ def _launch_choices(spec: cluster.ClusterSpec, *, features: torch_internals.Torc
         workers_master=workers_master,
         stacks_on_sigquit=features.launcher_handles_signals,
     )
+
+
+def _warm_start(options: LaunchOptions) -> dict:
+    """The bundled trainer starts warm unless --fresh-start; a script only with --warm-start.
+    torchrun's --no-python runs a program, not Python: nothing to keep warm."""
+    entry = options.entrypoint
+    trainer = entry.is_module and entry.target == TRAINER_MODULE
+    warm = options.warm_start if options.warm_start is not None else trainer
+    if not warm or entry.no_python:
+        return {"warm_start": False, "warm_preload": []}
+    return {"warm_start": True, "warm_preload": list(WARM_PRELOAD_TRAINER if trainer else WARM_PRELOAD)}
 
 
 def _sources(options: LaunchOptions, *, spec: cluster.ClusterSpec,

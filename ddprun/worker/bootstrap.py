@@ -39,17 +39,19 @@ _USAGE = "usage: python -m ddprun.worker.bootstrap SCRIPT [ARGS...] | -m MODULE 
 _LAUNCH_FILES = frozenset({os.path.abspath(__file__), runpy.__file__, "<frozen runpy>"})
 
 
-def die_with_launcher() -> None:
+def die_with_launcher(*, expected_parent: int | None = None) -> None:
     """Ask the kernel to SIGKILL this process when the thread that spawned it dies.
 
     The launcher spawns workers from its main thread, so the signal follows the launcher
     itself. The parent may already be gone before prctl runs, hence the getppid check.
+    `expected_parent`: the parent when it is not the launcher (warm start: the fork server,
+    itself tied to the launcher the same way).
     """
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    expected = os.environ.get(LAUNCHER_PID_ENV)
+    expected = expected_parent or os.environ.get(LAUNCHER_PID_ENV)
     if expected and os.getppid() != int(expected):
         os._exit(128 + signal.SIGKILL)
 
@@ -128,23 +130,25 @@ def _enable_faulthandler() -> None:
         pass
 
 
-def _write_pid_file() -> None:
+def _write_pid_file(pid: int) -> None:
     path = os.environ.get(PID_FILE_ENV)
     if path:
         try:
             with open(path, "w") as f:
-                f.write(str(os.getpid()))
+                f.write(str(pid))
         except OSError:
             pass  # only the launcher's restart message loses the rank's name
 
 
-def main() -> None:
+def main(*, parent_pid: int | None = None, reported_pid: int | None = None) -> None:
+    """`parent_pid`, `reported_pid`: under warm start (worker/warmserver.py) the rank's parent is
+    the fork server, and the pid torch started (the one the launcher knows) is its client's."""
     argv = sys.argv[1:]
     if not argv or argv == ["-m"]:
         print(_USAGE, file=sys.stderr)
         raise SystemExit(2)
-    die_with_launcher()
-    _write_pid_file()
+    die_with_launcher(expected_parent=parent_pid)
+    _write_pid_file(reported_pid or os.getpid())
     _enable_faulthandler()
     stackdump.install()  # `ddprun stacks`, Ctrl-\ and the stall watch ask through it
     error_file = os.environ.get(ERROR_FILE_ENV) or None

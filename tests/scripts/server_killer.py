@@ -1,0 +1,18 @@
+"""Attempt 0: rank 1 kills its parent (under warm start, the fork server). Attempt 1: every
+rank records its parent's command line and succeeds."""
+
+import os
+import signal
+import time
+
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+rank = os.environ["RANK"]
+with open(f"/proc/{os.getppid()}/cmdline") as f:
+    parent = f.read().replace("\0", " ")
+os.makedirs(os.environ["OUT_DIR"], exist_ok=True)
+with open(os.path.join(os.environ["OUT_DIR"], f"parent{rank}.{attempt}"), "w") as f:
+    f.write(parent)
+if attempt == 0:
+    if rank == "1":
+        os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(60)

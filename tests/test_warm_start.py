@@ -1,0 +1,130 @@
+"""Warm start (ranks forked from a per-node server that imported torch once): what a rank sees is
+what a fresh interpreter would, faults fall back to fresh processes, and the real-launch and
+lifecycle tests pass in this mode too (imported below: they run again with a warm cpu_env).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPTS, run_ddprun
+
+# The launch tests of other files, collected again here: their `cpu_env` is this file's.
+from test_lifecycle import (  # noqa: F401
+    test_a_stop_signal_stops_everything_in_one_line,
+    test_forwarded_preemption_signal_reaches_the_workers,
+    test_kill_9_of_ddprun_leaves_no_worker,
+    test_log_dir_keeps_every_rank_and_ranks_limits_the_console,
+    test_report_exit_code_is_the_workers_own,
+    test_report_for_a_rank_killed_by_sigkill_suggests_the_oom_killer,
+    test_report_names_the_rank_the_exception_and_the_users_line,
+    test_restart_after_a_killed_worker_completes_the_job_and_says_why,
+)
+from test_lifecycle import start, wait_gone, worker_pids
+from test_run_launch import (  # noqa: F401
+    test_every_rank_runs_allreduces_and_gets_its_arguments_unchanged,
+    test_module_mode_runs_a_module_from_the_working_directory,
+)
+
+SERVER = "ddprun.worker.warmserver"
+
+
+@pytest.fixture
+def cpu_env(cpu_env):
+    """conftest's CPU environment, with warm start asked for through its variable."""
+    return dict(cpu_env, DDPRUN_WARM_START="1")
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def ranks_seen(out: Path) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_a_warm_rank_sees_what_a_fresh_interpreter_would(cpu_env, tmp_path):
+    script = tmp_path / "sub" / "probe.py"
+    script.parent.mkdir()
+    script.write_text((SCRIPTS / "fresh_interpreter.py").read_text())
+    env = dict(cpu_env, USER_MARK="mine")
+    result = run_ddprun(["run", "--cpu", str(script), "--", "a", "--b"], env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    seen = ranks_seen(tmp_path / "out")
+    for rank, rank_seen in enumerate(seen):
+        assert rank_seen["preloaded"] and SERVER in rank_seen["parent"]  # really warm
+        assert rank_seen["argv"] == [str(script), "a", "--b"]
+        assert rank_seen["name"] == "__main__" and rank_seen["file"] == str(script)
+        assert rank_seen["path0"] == str(script.parent) and rank_seen["cwd"] == str(tmp_path)
+        assert rank_seen["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
+                                    "USER_MARK": "mine", "DDPRUN_WARM_SOCKET": None}
+        assert rank_seen["threads"] == 1
+        assert rank_seen["signals"] == {
+            "SIGINT": repr(signal.default_int_handler), "SIGTERM": repr(signal.SIG_DFL),
+            "SIGPIPE": repr(signal.SIG_IGN), "SIGUSR1": repr(signal.SIG_DFL), "SIGHUP": repr(signal.SIG_DFL),
+            "SIGCHLD": repr(signal.SIG_DFL), "SIGXFSZ": repr(signal.SIG_IGN)}
+        assert rank_seen["blocked"] == []
+    assert seen[0]["random"] != seen[1]["random"]
+    assert "[rank 1] hello from 1" in result.stdout
+
+
+def test_the_same_script_fresh_sees_no_server(cpu_env, tmp_path):
+    env = dict(cpu_env, DDPRUN_WARM_START="0")
+    result = run_ddprun(["run", "--cpu", str(SCRIPTS / "fresh_interpreter.py")], env=env)
+    assert result.returncode == 0, result.stderr
+    for rank_seen in ranks_seen(tmp_path / "out"):
+        assert not rank_seen["preloaded"] and SERVER not in rank_seen["parent"]
+
+
+@pytest.mark.parametrize("mode", ["spawn", "fork"])
+def test_multiprocessing_in_a_warm_rank(cpu_env, tmp_path, mode):
+    result = run_ddprun(["run", "--cpu", str(SCRIPTS / "fresh_interpreter.py")], env=dict(cpu_env, MODE=mode))
+    assert result.returncode == 0, result.stderr
+    assert [s["children"] for s in ranks_seen(tmp_path / "out")] == [[4], [9]]
+
+
+def test_a_dead_server_means_one_warning_then_fresh_ranks(cpu_env, tmp_path):
+    result = run_ddprun(["run", "--cpu", "--max-restarts", "1", str(SCRIPTS / "server_killer.py")], env=cpu_env)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("warm start unavailable") == 1
+    out = tmp_path / "out"
+    assert SERVER in (out / "parent1.0").read_text()  # rank 0 may look after the kill
+    assert all(SERVER not in (out / f"parent{r}.1").read_text() for r in (0, 1))
+
+
+def test_kill_9_of_ddprun_leaves_no_server(cpu_env, tmp_path):
+    job = start(dict(cpu_env, MODE="sleep"))
+    pids = worker_pids(tmp_path / "out")
+    servers = {parent_of(pid) for pid in pids}
+    assert all(SERVER in Path(f"/proc/{s}/cmdline").read_text().replace("\0", " ") for s in servers)
+    job.kill()
+    job.wait()
+    assert wait_gone([*pids, *servers], timeout=3) == []
+
+
+def test_the_plan_says_which_mode_and_what_is_preloaded(cpu_env, tmp_path):
+    def launch(*args: str, env: dict) -> dict:
+        result = run_ddprun([*args, "--dry-run", "--json"], env=env)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)["launch"]
+
+    fresh = dict(cpu_env)
+    fresh.pop("DDPRUN_WARM_START")
+    script = str(SCRIPTS / "allreduce.py")
+    assert launch("run", script, env=fresh)["warm_start"] is False
+    assert launch("run", "--warm-start", script, env=fresh)["warm_preload"] == ["torch", "torch.distributed"]
+    assert launch("train", "--cpu", env=fresh)["warm_start"] is True
+    assert launch("train", "--cpu", "--fresh-start", env=fresh)["warm_start"] is False
+    assert launch("run", "--no-python", "true", env=cpu_env)["warm_start"] is False
+
+
+def test_the_trainer_fresh_start_still_trains(cpu_env, tmp_path):
+    args = ["train", "--cpu", "--nproc", "2", "--fresh-start", "--model", "mlp", "--image-size", "8",
+            "--num-classes", "2", "--dataset-size", "64", "--epochs", "1", "--batch-size", "16"]
+    result = run_ddprun(args, env=cpu_env, timeout=300)
+    assert result.returncode == 0, result.stderr
