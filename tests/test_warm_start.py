@@ -26,6 +26,11 @@ from test_lifecycle import (  # noqa: F401
     test_restart_after_a_killed_worker_completes_the_job_and_says_why,
 )
 from test_lifecycle import start, wait_gone, worker_pids
+from test_hangs import (  # noqa: F401  (signals reach a warm rank through its client)
+    env,
+    test_a_collective_timeout_names_the_rank_outside_the_collective,
+    test_stacks_ctrl_backslash_user_sigusr1_then_ctrl_c,
+)
 from test_run_launch import (  # noqa: F401
     test_every_rank_runs_allreduces_and_gets_its_arguments_unchanged,
     test_module_mode_runs_a_module_from_the_working_directory,
