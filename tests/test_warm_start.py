@@ -114,7 +114,7 @@ def test_kill_9_of_ddprun_leaves_no_server(cpu_env, tmp_path):
 
 def test_the_plan_says_which_mode_and_what_is_preloaded(cpu_env, tmp_path):
     def launch(*args: str, env: dict) -> dict:
-        result = run_ddprun([*args, "--dry-run", "--json"], env=env)
+        result = run_ddprun([args[0], "--dry-run", "--json", *args[1:]], env=env)
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)["launch"]
 

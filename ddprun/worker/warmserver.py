@@ -31,6 +31,9 @@ _MAX_REQUEST = 1 << 20
 _POLL_S = 0.1  # where os.pidfd_open is missing: how often exited children are looked for
 # What a fresh `python` has: Python's own handlers for these, the default action for the rest.
 _PYTHON_IGNORES = ("SIGPIPE", "SIGXFSZ")
+# The launcher relays these to its direct children (--forward-signal, Ctrl-C): meant for the ranks,
+# which their clients relay them to. Only SIGTERM (the launcher's stop) and death end the server.
+_SERVER_IGNORES = ("SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
 @dataclass
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     args = _parse(argv if argv is not None else sys.argv[1:])
     listener = _listen(args["socket"])  # first: clients may connect while torch imports
     bootstrap.die_with_launcher(expected_parent=int(args["parent-pid"]))
+    for name in _SERVER_IGNORES:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     for name in filter(None, args.get("preload", "").split(",")):
         __import__(name)
     server_pid = os.getpid()
