@@ -40,7 +40,7 @@ def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] 
     (ddprun.api raises them as JobFailed).
     """
     # The fork server imports torch while this process does (warm start; None: fresh ranks).
-    warm = warmstart.start(plan, environ=os.environ)
+    warm = warmstart.start(plan, environ=os.environ, say=_sayer(console))
     # Imported before the loggers are tuned: torch sets each module logger's level on import.
     import torch.distributed.run  # noqa: F401
     from torch.distributed.elastic.multiprocessing.api import SignalException

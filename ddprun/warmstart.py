@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,10 +22,39 @@ import tempfile
 from typing import Callable, Iterator, Mapping
 
 from ddprun.envnames import LAUNCHER_PID_ENV, WARM_SOCKET_ENV
-from ddprun.plan import LaunchPlan
+from ddprun.plan import BOOTSTRAP_MODULE, LaunchPlan
 
 SERVER_MODULE = "ddprun.worker.warmserver"
 _STOP_WAIT_S = 2.0
+# Variables torch or its OpenMP/MKL runtime may read when imported. A script that sets one in
+# os.environ before `import torch` would find it already read by the warm server.
+_PREFIXES = r"(?:TORCH|PYTORCH|OMP|MKL|KMP|GOMP)_\w+"
+_SETS_IMPORT_TIME_VAR = re.compile(
+    rf"""os\.(?:environ\s*\[\s*['"]({_PREFIXES})['"]\s*\]\s*=(?!=)"""
+    rf"""|(?:environ\.setdefault|putenv)\(\s*['"]({_PREFIXES})['"]"""
+    rf"""|environ\.update\([^)]*?\b({_PREFIXES})\b)""")
+
+
+def import_time_settings(source: str) -> list[str]:
+    """The import-time variables a script's text sets in os.environ, e.g. os.environ["TORCH_LOGS"] = ..."""
+    return sorted({name for names in _SETS_IMPORT_TIME_VAR.findall(source) for name in names if name})
+
+
+def _script_of(plan: LaunchPlan) -> str | None:
+    args = plan.torchrun_args[plan.torchrun_args.index(BOOTSTRAP_MODULE) + 1:]
+    return args[0] if args and args[0] not in ("-m", "--no-python") else None
+
+
+def _settings_in_script(plan: LaunchPlan) -> tuple[str, list[str]] | None:
+    script = _script_of(plan)
+    if script is None:
+        return None
+    try:
+        with open(script, errors="replace") as f:
+            names = import_time_settings(f.read())
+    except OSError:
+        return None
+    return (script, names) if names else None
 
 
 class WarmServer:
@@ -63,13 +93,19 @@ class WarmServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def start(plan: LaunchPlan, *, environ: Mapping[str, str]) -> WarmServer | None:
-    """The server, importing in the background; None when the plan starts fresh processes.
+def start(plan: LaunchPlan, *, environ: Mapping[str, str], say: Callable[[str], None]) -> WarmServer | None:
+    """The server, importing in the background; None when the job starts fresh processes.
 
     Its environment is the one every rank shares (the launcher's, plus the plan's), so what
-    torch reads at import time is what a fresh rank would have read.
+    torch reads at import time is what a fresh rank would have read. A script that sets such a
+    variable itself starts fresh, with a note.
     """
     if not plan.launch.warm_start:
+        return None
+    found = _settings_in_script(plan)
+    if found is not None:
+        say(f"note: {found[0]} sets {', '.join(found[1])} in os.environ, which torch may read when imported; "
+            "warm start imports torch before the script runs, so this job starts fresh processes (--fresh-start: no note)")
         return None
     folder = tempfile.mkdtemp(prefix="ddprun-warm-")  # 0700, and short: a socket path has 107 bytes
     log_path = os.path.join(plan.log_dir, "warm_server.log")

@@ -133,3 +133,27 @@ def test_the_trainer_fresh_start_still_trains(cpu_env, tmp_path):
             "--num-classes", "2", "--dataset-size", "64", "--epochs", "1", "--batch-size", "16"]
     result = run_ddprun(args, env=cpu_env, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_script_that_sets_an_import_time_variable_is_found():
+    from ddprun.warmstart import import_time_settings
+
+    source = """import os
+os.environ["TORCH_LOGS"] = "+dynamo"
+os.environ.setdefault('OMP_NUM_THREADS', '2')
+os.environ.update(MKL_NUM_THREADS="1")
+os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # read when CUDA starts, in the rank: fine warm
+home = os.environ["TORCH_HOME"]
+if os.environ["TORCH_X"] == "1": pass
+"""
+    assert import_time_settings(source) == ["MKL_NUM_THREADS", "OMP_NUM_THREADS", "TORCH_LOGS"]
+
+
+def test_such_a_script_starts_fresh_with_a_note(cpu_env, tmp_path):
+    script = tmp_path / "sets_torch_var.py"
+    script.write_text('import os\nos.environ["TORCH_SHOW_CPP_STACKTRACES"] = "1"\n'
+                      + (SCRIPTS / "fresh_interpreter.py").read_text())
+    result = run_ddprun(["run", "--cpu", str(script)], env=cpu_env)
+    assert result.returncode == 0, result.stderr
+    assert "sets TORCH_SHOW_CPP_STACKTRACES in os.environ" in " ".join(result.stderr.split())
+    assert all(SERVER not in seen["parent"] for seen in ranks_seen(tmp_path / "out"))
