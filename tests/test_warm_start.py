@@ -31,6 +31,11 @@ from test_hangs import (  # noqa: F401  (signals reach a warm rank through its c
     test_a_collective_timeout_names_the_rank_outside_the_collective,
     test_stacks_ctrl_backslash_user_sigusr1_then_ctrl_c,
 )
+from test_torchrun_launch import (  # noqa: F401
+    test_a_worker_exit_code_passes_through_except_ddpruns_own_2,
+    test_file_per_rank_env_per_rank_absolute_file_and_local_ranks_filter,
+    test_in_a_terminal_the_console_rank_gets_the_terminal,
+)
 from test_run_launch import (  # noqa: F401
     test_every_rank_runs_allreduces_and_gets_its_arguments_unchanged,
     test_module_mode_runs_a_module_from_the_working_directory,
