@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from ddprun import proc
+from ddprun.envnames import CLIENT_PID_SUFFIX
 
 @dataclass(frozen=True)
 class Death:
@@ -60,11 +61,12 @@ class DeathWatch:
 
 
 def rank_of(pid: int, attempt_dir: Path) -> int | None:
-    """The global rank whose bootstrap wrote `pid` into attempt_dir/rank_G.pid."""
-    for path in attempt_dir.glob("rank_*.pid"):
+    """The global rank whose bootstrap wrote `pid` into attempt_dir/rank_G.pid, or (warm start) whose
+    client, the process torch started for it, wrote it into rank_G.pid.client."""
+    for path in [*attempt_dir.glob("rank_*.pid"), *attempt_dir.glob(f"rank_*.pid{CLIENT_PID_SUFFIX}")]:
         try:
             if int(path.read_text()) == pid:
-                return int(path.name[len("rank_"):-len(".pid")])
+                return int(path.name[len("rank_"):].split(".", 1)[0])
         except (OSError, ValueError):
             continue
     return None

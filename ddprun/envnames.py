@@ -24,3 +24,5 @@ STACKS_SIGNAL_OFFSET = 7
 CALL_FILE_ENV = "DDPRUN_CALL_FILE"
 # Warm start (ddprun/warmstart.py): the node's fork server's socket, for each rank's small client.
 WARM_SOCKET_ENV = "DDPRUN_WARM_SOCKET"
+# Beside a rank's pid file under warm start: the pid of its client, the process torch started.
+CLIENT_PID_SUFFIX = ".client"

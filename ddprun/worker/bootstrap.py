@@ -140,15 +140,14 @@ def _write_pid_file(pid: int) -> None:
             pass  # only the launcher's restart message loses the rank's name
 
 
-def main(*, parent_pid: int | None = None, reported_pid: int | None = None) -> None:
-    """`parent_pid`, `reported_pid`: under warm start (worker/warmserver.py) the rank's parent is
-    the fork server, and the pid torch started (the one the launcher knows) is its client's."""
+def main(*, parent_pid: int | None = None) -> None:
+    """`parent_pid`: under warm start (worker/warmserver.py) the rank's parent is the fork server."""
     argv = sys.argv[1:]
     if not argv or argv == ["-m"]:
         print(_USAGE, file=sys.stderr)
         raise SystemExit(2)
     die_with_launcher(expected_parent=parent_pid)
-    _write_pid_file(reported_pid or os.getpid())
+    _write_pid_file(os.getpid())
     _enable_faulthandler()
     stackdump.install()  # `ddprun stacks`, Ctrl-\ and the stall watch ask through it
     error_file = os.environ.get(ERROR_FILE_ENV) or None

@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 
-from ddprun.envnames import LAUNCHER_PID_ENV, STACKS_SIGNAL_OFFSET, WARM_SOCKET_ENV
+from ddprun.envnames import CLIENT_PID_SUFFIX, LAUNCHER_PID_ENV, PID_FILE_ENV, STACKS_SIGNAL_OFFSET, WARM_SOCKET_ENV
 
 BOOTSTRAP_MODULE = "ddprun.worker.bootstrap"
 _PR_SET_PDEATHSIG = 1
@@ -34,6 +34,7 @@ def main() -> None:
     path = os.environ.pop(WARM_SOCKET_ENV, None)  # the rank never sees it
     _die_with_launcher()
     if path:
+        _write_client_pid()
         conn = _handed_over(path, args)
         if conn is not None:
             _relay_until_done(conn)
@@ -46,6 +47,19 @@ def _die_with_launcher() -> None:
         expected = os.environ.get(LAUNCHER_PID_ENV)
         if expected and os.getppid() != int(expected):
             os._exit(128 + signal.SIGKILL)
+
+
+def _write_client_pid() -> None:
+    """The launcher sees this process die, not the rank: beside the rank's pid file (which the rank
+    writes with its own pid, for `ddprun stacks` and for people), this pid names the rank too."""
+    path = os.environ.get(PID_FILE_ENV)
+    if path:
+        try:
+            fd = os.open(path + CLIENT_PID_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError:
+            pass
 
 
 def _handed_over(path: str, args: list[str]) -> socket.socket | None:

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     request = _serve(listener)  # returns only in a forked child
     listener.close()
     _become_rank(request)
-    bootstrap.main(parent_pid=server_pid, reported_pid=request.client_pid)
+    bootstrap.main(parent_pid=server_pid)
 
 
 def _parse(argv: list[str]) -> dict[str, str]:
