@@ -113,7 +113,7 @@ def start(plan: LaunchPlan, *, environ: Mapping[str, str], say: Callable[[str], 
     argv = [sys.executable, "-u", "-m", SERVER_MODULE, "--socket", os.path.join(folder, "s"),
             "--parent-pid", str(os.getpid()), "--preload", ",".join(plan.launch.warm_preload)]
     try:
-        with open(log_path, "ab") as log:
+        with open(log_path, "ab", opener=lambda path, flags: os.open(path, flags, 0o600)) as log:
             process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                        start_new_session=True)
     except OSError as error:
