@@ -68,7 +68,7 @@ def _handed_over(path: str, args: list[str]) -> socket.socket | None:
     request = {
         "argv": args, "env": dict(os.environ), "cwd": os.getcwd(), "path": sys.path, "umask": _umask(),
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "client_pid": os.getpid(), "fds": fds,
+        "fds": fds,
     }
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:

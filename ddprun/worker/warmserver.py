@@ -46,7 +46,6 @@ class Request:
     path: list[str]
     umask: int
     affinity: list[int] | None
-    client_pid: int
     fds: dict[int, int] = field(default_factory=dict)
 
 
