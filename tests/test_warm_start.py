@@ -128,13 +128,14 @@ def test_the_plan_says_which_mode_and_what_is_preloaded(cpu_env, tmp_path):
     script = str(SCRIPTS / "allreduce.py")
     assert launch("run", script, env=fresh)["warm_start"] is False
     assert launch("run", "--warm-start", script, env=fresh)["warm_preload"] == ["torch", "torch.distributed"]
-    assert launch("train", "--cpu", env=fresh)["warm_start"] is True
+    assert launch("train", "--cpu", env=fresh)["warm_start"] is False  # opt-in until its targets are met
+    assert launch("train", "--cpu", "--warm-start", env=fresh)["warm_preload"][-1] == "ddprun.worker.train"
     assert launch("train", "--cpu", "--fresh-start", env=fresh)["warm_start"] is False
     assert launch("run", "--no-python", "true", env=cpu_env)["warm_start"] is False
 
 
-def test_the_trainer_fresh_start_still_trains(cpu_env, tmp_path):
-    args = ["train", "--cpu", "--nproc", "2", "--fresh-start", "--model", "mlp", "--image-size", "8",
+def test_the_trainer_trains_warm(cpu_env, tmp_path):
+    args = ["train", "--cpu", "--nproc", "2", "--warm-start", "--model", "mlp", "--image-size", "8",
             "--num-classes", "2", "--dataset-size", "64", "--epochs", "1", "--batch-size", "16"]
     result = run_ddprun(args, env=cpu_env, timeout=300)
     assert result.returncode == 0, result.stderr
