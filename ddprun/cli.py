@@ -151,11 +151,6 @@ def _plan(options: LaunchOptions, *, terminal: bool = False) -> LaunchPlan:
     return localplan.plan_here(options, warn=_warn, **inputs)  # ddprun.launch() plans through it too
 
 
-def installed_torch() -> str:
-    """The installed torch's release, refused below the supported floor (no torch import)."""
-    return localplan.installed_torch(warn=_warn)
-
-
 def _warn(notice: str) -> None:
     stderr.print(f"[bold yellow]ddprun: warning:[/] {escape(notice)}", soft_wrap=True)
 

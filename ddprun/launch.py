@@ -167,7 +167,8 @@ def _build_launcher(plan: LaunchPlan, rdzv: _Rendezvous, *, on_start: Callable[[
         if choices.fresh_worker_store and rdzv.held is not None:
             stores.fresh_for(envs)
         elif choices.workers_master:
-            torch_internals.point_workers_at_master(envs, address=choices.workers_master)
+            host, port = rendezvous.split_endpoint(choices.workers_master)
+            torch_internals.point_workers_at(envs, host=host, port=port, agent_store=False)
 
     logs = RankLogsSpecs(
         plan.log_dir, console_ranks=set(plan.ranks) if plan.ranks is not None else None, on_attempt=on_attempt,

@@ -114,7 +114,7 @@ class WorkerStores:
 
     def fresh_for(self, envs: dict[int, dict[str, str]]) -> None:
         """Point this start of the workers at a store of their own."""
-        torch_internals.point_workers_at_store(envs, host=self.bind_host, port=self.serve())
+        torch_internals.point_workers_at(envs, host=self.bind_host, port=self.serve(), agent_store=True)
 
     def handler_creator(self) -> Callable[[Any], Any]:
         """Registry creator for multi-node hosts: torch's c10d handler, with node 0's worker store

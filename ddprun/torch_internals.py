@@ -135,23 +135,15 @@ def store_owns_socket(implementation: str) -> bool:
 # environments it passes to LogsSpecs.reify, then starts the workers with those same mappings.
 
 
-def point_workers_at_store(envs: Mapping[int, dict], *, host: str, port: int) -> None:
-    """Every worker connects, as a client, to the store at host:port (torch's own agent-store
-    protocol: TORCHELASTIC_USE_AGENT_STORE), instead of rank 0 hosting one on every interface."""
+def point_workers_at(envs: Mapping[int, dict], *, host: str, port: int, agent_store: bool) -> None:
+    """Every worker's MASTER_ADDR:MASTER_PORT is host:port. With `agent_store`, every rank connects
+    to that store as a client (torch's own agent-store protocol: TORCHELASTIC_USE_AGENT_STORE),
+    instead of rank 0 hosting one on every interface; without it rank 0 serves the store there
+    itself (torchrun's --master-port on one node, as under plain torchrun or python)."""
     for env in envs.values():
         env["MASTER_ADDR"] = host
         env["MASTER_PORT"] = str(port)
-        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-
-
-def point_workers_at_master(envs: Mapping[int, dict], *, address: str) -> None:
-    """torchrun's --master-port on one node: the workers' MASTER_ADDR:MASTER_PORT is the user's, and
-    rank 0 serves the store there itself (as under plain torchrun's static rendezvous or python)."""
-    host, _, port = address.rpartition(":")
-    for env in envs.values():
-        env["MASTER_ADDR"] = host.strip("[]")
-        env["MASTER_PORT"] = port
-        env["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        env["TORCHELASTIC_USE_AGENT_STORE"] = str(agent_store)
 
 
 def keep_worker_store_local(handler: Any, create_server: Callable[[str, int], Any], *, name: str) -> bool:

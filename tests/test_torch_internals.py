@@ -169,7 +169,7 @@ def test_a_real_store_serves_a_held_socket_with_the_installed_torch():
 
 def test_workers_are_pointed_at_ddprun_s_store_as_clients():
     envs = {0: {"MASTER_ADDR": "host.example", "MASTER_PORT": "1", "TORCHELASTIC_USE_AGENT_STORE": "False"}, 1: {}}
-    ti.point_workers_at_store(envs, host="127.0.0.1", port=4242)
+    ti.point_workers_at(envs, host="127.0.0.1", port=4242, agent_store=True)
     for env in envs.values():
         assert env == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4242", "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
@@ -324,3 +324,13 @@ def test_without_a_held_store_the_launch_falls_back_to_torch_s_rendezvous_and_sa
     with launch._held_rendezvous(the_plan, say=said.append) as rdzv:
         assert rdzv.held is None and rdzv.torchrun_args == the_plan.torchrun_args
     assert len(said) == 1 and "torch's own rendezvous" in said[0] and "fresh store per restart" in said[0]
+
+
+def test_the_declared_floor_is_the_one_ci_installs():
+    import re as _re
+
+    declared = _re.search(r'"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ti.parse_version(declared) == ti.TORCH_FLOOR
+    assert f'"torch=={ti.TESTED_RELEASES[0]}"' in ci and f"OLDEST_TORCH={ti.TESTED_RELEASES[0]}" in ci
+    assert ti.parse_version(ti.TESTED_RELEASES[0]) == ti.TORCH_FLOOR
