@@ -39,8 +39,9 @@ def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] 
     `on_failure(failures, panel)` gets the failed ranks (report.RankFailure) and the panel shown
     (ddprun.api raises them as JobFailed).
     """
+    say = _sayer(console)
     # The fork server imports torch while this process does (warm start; None: fresh ranks).
-    warm = warmstart.start(plan, environ=os.environ, say=_sayer(console))
+    warm = warmstart.start(plan, environ=os.environ, say=say)
     # Imported before the loggers are tuned: torch sets each module logger's level on import.
     import torch.distributed.run  # noqa: F401
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -49,7 +50,6 @@ def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] 
     sys.stdout.reconfigure(line_buffering=True)  # ranks' lines reach a pipe as they come
     os.environ.update({**plan.env, **plan.launch.launcher_env})
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    say = _sayer(console)
     with reaper.job_reaper(grace_period_s=plan.grace_period_s, say=say), warmstart.serving(warm), \
             DeathWatch() as deaths, _quiet_torch_logs(), \
             _held_rendezvous(plan, say=say) as rdzv, _join_watch(plan, rdzv, say=say) as watch:
