@@ -163,3 +163,29 @@ def test_such_a_script_starts_fresh_with_a_note(cpu_env, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "sets TORCH_SHOW_CPP_STACKTRACES in os.environ" in " ".join(result.stderr.split())
     assert all(SERVER not in seen["parent"] for seen in ranks_seen(tmp_path / "out"))
+
+
+def test_a_warm_rank_ends_as_a_fresh_interpreter_does(cpu_env, tmp_path):
+    """Threads joined, then atexit, then the user's objects let go, files flushed, stdout too:
+    the same files, in the same order, from a warm rank and from a fresh one."""
+    seen = {}
+    for warm in ("0", "1"):
+        out = tmp_path / f"out{warm}"
+        result = run_ddprun(["run", "--cpu", str(SCRIPTS / "ending.py")],
+                            env=dict(cpu_env, DDPRUN_WARM_START=warm, OUT_DIR=str(out)))
+        assert result.returncode == 0, result.stderr
+        assert "[rank 1] no newline at the end" in result.stdout
+        seen[warm] = {path.name: path.read_text() for path in sorted(out.iterdir())}
+    assert seen["1"] == seen["0"]
+    assert seen["1"]["ending1.txt"] == "a non-daemon thread\natexit\na global's __del__\n"
+    assert seen["1"]["unclosed1.txt"] == "buffered, never closed\n"
+    assert seen["1"]["log1.txt"] == "INFO:root:logged\n"
+
+
+@pytest.mark.parametrize("code, status, printed", [(None, 0, ""), (3, 3, ""), (256, 0, ""), (-1, 255, ""),
+                                                    (True, 1, ""), ("no data", 1, "no data\n")])
+def test_sys_exit_gives_pythons_exit_code(code, status, printed, capsys):
+    from ddprun.worker.warmexit import exit_code
+
+    assert exit_code(code) == status
+    assert capsys.readouterr().err == printed

@@ -17,6 +17,7 @@ parent-death signal, and each child has the server's, so a kill -9 of the launch
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
@@ -25,7 +26,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from ddprun.worker import bootstrap
+from ddprun.worker import bootstrap, warmexit
 
 _MAX_REQUEST = 1 << 20
 _POLL_S = 0.1  # where os.pidfd_open is missing: how often exited children are looked for
@@ -62,13 +63,24 @@ def main(argv: list[str] | None = None) -> None:
     bootstrap.die_with_launcher(expected_parent=int(args["parent-pid"]))
     for name in _SERVER_IGNORES:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
+    gc.disable()  # no collection leaves holes in the pages the ranks will share
     for name in filter(None, args.get("preload", "").split(",")):
         __import__(name)
+    gc.freeze()  # the ranks' collections never walk (and so never copy) what the server imported
     server_pid = os.getpid()
     request = _serve(listener)  # returns only in a forked child
     listener.close()
+    imported = list(sys.modules)
     _become_rank(request)
-    bootstrap.main(parent_pid=server_pid)
+    warmexit.end(_run_rank(server_pid), imported_before=imported)
+
+
+def _run_rank(server_pid: int) -> int:
+    try:
+        bootstrap.main(parent_pid=server_pid)
+    except SystemExit as exit:
+        return warmexit.exit_code(exit.code)
+    return 0
 
 
 def _parse(argv: list[str]) -> dict[str, str]:
@@ -213,6 +225,7 @@ def _become_rank(request: Request) -> None:
         os.sched_setaffinity(0, request.affinity)
     os.environ.clear()
     os.environ.update(request.env)
+    gc.enable()
     sys.path[:] = request.path
     sys.argv = [bootstrap.__file__, *request.argv]
     _python_signal_defaults()
