@@ -7,9 +7,11 @@ Targets (ratio of medians, ddprun --warm-start / torchrun):
   8-process job                               ddprun run --cpu --nproc 8 --warm-start   <= 0.4
   a restart (rank 1 SIGKILLs itself once, before joining gloo; from its death to every rank done
     again: gloo init and an all-reduce in the new attempt)                                  <= 0.5
-  one-step training job (resnet18, FakeData/synthetic, launch to exit)  ddprun train     <= 0.6
-    against `torchrun examples/train.py` (one optimizer step per rank: an upper bound of the
-    time to the first step, since both then only tear down)
+  the trainer to its first optimizer step (resnet18, 32x32, batch 32 per rank; the example's
+    FakeData, the trainer's synthetic data): from the launcher's start to the moment every rank
+    has finished its first optimizer step     ddprun train   <= 0.6
+    against `torchrun examples/train.py`. first_step/sitecustomize.py stamps each rank's first
+    step through torch's global optimizer hook, the same way under both launchers.
 `ddprun run --fresh-start` is measured beside them (the default of `ddprun run`). Every command
 of a group runs in turns (A B C A B C ...) after one discarded warm-up round, OMP_NUM_THREADS=1.
 """
@@ -47,6 +49,7 @@ if dies:
 dist.destroy_process_group()
 """
 TRAIN_STEP = ["--epochs", "1", "--batch-size", "32"]
+FIRST_STEP_HOOK = Path(__file__).resolve().parent / "first_step"
 
 
 def groups(job: str, only: set[str]) -> dict[str, dict[str, list[str]]]:
@@ -71,9 +74,9 @@ def groups(job: str, only: set[str]) -> dict[str, dict[str, list[str]]]:
         "train": {
             "torchrun examples/train.py": torchrun + ["--nproc-per-node", "2", "examples/train.py", *TRAIN_STEP, "--samples", "64"],
             "ddprun train --fresh-start": ddprun + ["train", "--cpu", "--nproc", "2", "--fresh-start", "--model", "resnet18",
-                                                    "--dataset-size", "64", *TRAIN_STEP],
-            "ddprun train (warm, its default)": ddprun + ["train", "--cpu", "--nproc", "2", "--model", "resnet18",
-                                                         "--dataset-size", "64", *TRAIN_STEP],
+                                                    "--dataset-size", "64", "--image-size", "32", *TRAIN_STEP],
+            "ddprun train --warm-start": ddprun + ["train", "--cpu", "--nproc", "2", "--warm-start", "--model", "resnet18",
+                                                  "--dataset-size", "64", "--image-size", "32", *TRAIN_STEP],
         },
     }
     return {name: group for name, group in out.items() if name in only}
@@ -109,6 +112,23 @@ class Stamps:
         return {name: {key: statistics.median(r[key] for r in rows) for key in rows[0]} for name, rows in self.rows.items()}
 
 
+class FirstSteps(Stamps):
+    """After each run of the train group: when rank 0 and the last rank ended their first optimizer step."""
+
+    def __call__(self, name: str, started: float, seconds: float, measured: bool) -> None:
+        ranks = [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+        self.path.unlink(missing_ok=True)
+        if not measured:
+            return
+        if len(ranks) < 2:
+            raise SystemExit(f"{name}: {len(ranks)} first-step stamps, expected one per rank")
+        self.rows.setdefault(name, []).append({
+            "launcher start -> rank 0's first step": next(r["t"] for r in ranks if r["rank"] == 0) - started,
+            "launcher start -> every rank's first step": max(r["t"] for r in ranks) - started,
+            "launch to exit": seconds,
+        })
+
+
 def table(samples: dict[str, list[float]], metric: dict[str, float] | None = None) -> str:
     """Medians per command and each one's ratio to the group's first (torchrun), paired per round too."""
     names = list(samples)
@@ -128,7 +148,7 @@ def phases_table(medians: dict[str, dict[str, float]]) -> str:
     keys = list(medians[names[0]])
     lines = ["| median s | " + " | ".join(f"`{n}`" for n in names) + " |", "| --- |" + " --- |" * len(names)]
     lines += [f"| {key} | " + " | ".join(f"{medians[n][key]:.3f}" for n in names) + " |" for key in keys]
-    if len(keys) == 2:  # the restart: its own ratio
+    if len(keys) in (2, 3):  # the restart, the first step: their own ratio
         key = keys[1]
         lines.append(f"| ratio to torchrun | " + " | ".join(f"{medians[n][key] / medians[names[0]][key]:.3f}" for n in names) + " |")
     return "\n".join(lines)
@@ -145,9 +165,11 @@ def main() -> None:
         job = Path(scratch, "job.py")
         job.write_text(JOB)
         env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
-        env.update(OMP_NUM_THREADS="1", STAMPS=os.path.join(scratch, "stamps.jsonl"), TMPDIR=scratch)
+        env.update(OMP_NUM_THREADS="1", STAMPS=os.path.join(scratch, "stamps.jsonl"), TMPDIR=scratch,
+                   FIRST_STEP_STAMPS=os.path.join(scratch, "first_steps.jsonl"),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(FIRST_STEP_HOOK), env.get("PYTHONPATH")])))
         for name, commands in groups(str(job), set(args.only.split(","))).items():
-            stamps = Stamps(Path(env["STAMPS"]))
+            stamps = FirstSteps(Path(env["FIRST_STEP_STAMPS"])) if name == "train" else Stamps(Path(env["STAMPS"]))
             samples = interleaved(commands, runs=args.runs, env=env, observe=stamps, cwd=ROOT)
             print(f"### {name}\n\n{table(samples)}\n")
             if stamps.rows:

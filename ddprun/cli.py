@@ -182,10 +182,13 @@ def _launch_or_print(plan: LaunchPlan, *, dry_run: bool, as_json: bool) -> int:
             stderr.print(f"ddprun: note: run by hand, this torchrun line loses "
                          f"{escape('; '.join(plan.launch.lost_in_torchrun_line))}. --json shows what ddprun does.", soft_wrap=True)
         return 0
-    from ddprun import launch, panels
+    from ddprun import panels, warmstart
 
     runfolders.make_job_folder(plan.log_dir, private_root=plan.private_log_root, keep=plan.keep_logs)
-    code = launch.execute(plan, console=stderr, announce=lambda: stderr.print(panels.render_plan(plan)))
+    warm = warmstart.start(plan, environ=os.environ, say=panels.sayer(stderr))  # importing while we do
+    from ddprun import launch
+
+    code = launch.execute(plan, console=stderr, warm=warm, announce=lambda: stderr.print(panels.render_plan(plan)))
     # The job is over and reported. Tearing down an interpreter that imported torch takes
     # over half a second and has nothing left to do: leave at once.
     sys.stdout.flush()

@@ -57,18 +57,20 @@ def plain_text(renderable: object) -> str:
 
 
 def run(folder: str) -> int:
-    from ddprun import launch, panels
+    from ddprun import panels, warmstart
 
     with open(os.path.join(folder, PLAN_FILE), "rb") as source:
         plan = pickle.load(source)
     console = Console(stderr=True, highlight=False)
+    warm = warmstart.start(plan, environ=os.environ, say=panels.sayer(console))  # importing while we do
+    from ddprun import launch
 
     def on_failure(failures: list, panel: object) -> None:
         record = {"failures": failures, "panel": plain_text(panel)}
         write_private(os.path.join(folder, FAILURE_FILE), pickle.dumps(record))
 
     try:
-        return launch.execute(plan, console=console, announce=lambda: console.print(panels.render_plan(plan)),
+        return launch.execute(plan, console=console, warm=warm, announce=lambda: console.print(panels.render_plan(plan)),
                           on_failure=on_failure)
     except DdprunError as error:
         record = {"message": error.message, "hint": error.hint, "exit_code": error.exit_code}

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from rich.console import Console
-from rich.markup import escape
 
-from ddprun import live, reaper, warmstart, rendezvous, report, signals, stall, torch_internals, torchrun_compat
+from ddprun import gcpause, live, panels, reaper, warmstart, rendezvous, report, signals, stall, torch_internals, torchrun_compat
 from ddprun.deaths import DeathWatch, rank_of
 from ddprun.envnames import LAUNCHER_PID_ENV
 from ddprun.errors import DdprunError
@@ -31,19 +30,22 @@ class _Rendezvous:
     held: rendezvous.HeldStore | None
 
 
-def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] = lambda: None,
+def execute(plan: LaunchPlan, *, console: Console, warm: warmstart.WarmServer | None,
+            announce: Callable[[], None] = lambda: None,
             on_failure: Callable[[list, Any], None] = lambda failures, panel: None) -> int:
     """Launch the job and return ddprun's exit code. Raises UsageError if the port is taken.
+
+    `warm`: the fork server (warm start), started by the caller before it imported this module
+    (warmstart.start), so that its torch import overlaps this process's; None: fresh ranks.
 
     `announce` runs once the rendezvous port is held, just before the workers start.
     `on_failure(failures, panel)` gets the failed ranks (report.RankFailure) and the panel shown
     (ddprun.api raises them as JobFailed).
     """
-    say = _sayer(console)
-    # The fork server imports torch while this process does (warm start; None: fresh ranks).
-    warm = warmstart.start(plan, environ=os.environ, say=say)
+    say = panels.sayer(console)
     # Imported before the loggers are tuned: torch sets each module logger's level on import.
-    import torch.distributed.run  # noqa: F401
+    with gcpause.paused():
+        import torch.distributed.run  # noqa: F401
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -83,10 +85,6 @@ def execute(plan: LaunchPlan, *, console: Console, announce: Callable[[], None] 
             except Exception as error:
                 _raise_if_join_failed(error, watch=watch, logs=logs)
                 raise
-
-
-def _sayer(console: Console) -> Callable[[str], None]:
-    return lambda text: console.print(f"[bold]ddprun:[/] {escape(text)}")
 
 
 @contextlib.contextmanager

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
+from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
 from ddprun.plan import LaunchPlan
+
+
+def sayer(console: Console) -> Callable[[str], None]:
+    """How the launcher says one line: `ddprun: ...`, the text never read as markup."""
+    return lambda text: console.print(f"[bold]ddprun:[/] {escape(text)}")
 
 
 def render_plan(plan: LaunchPlan) -> Panel:

@@ -17,7 +17,6 @@ parent-death signal, and each child has the server's, so a kill -9 of the launch
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import selectors
@@ -26,6 +25,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
+from ddprun import gcpause
 from ddprun.worker import bootstrap, warmexit
 
 _MAX_REQUEST = 1 << 20
@@ -63,10 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     bootstrap.die_with_launcher(expected_parent=int(args["parent-pid"]))
     for name in _SERVER_IGNORES:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
-    gc.disable()  # no collection leaves holes in the pages the ranks will share
-    for name in filter(None, args.get("preload", "").split(",")):
-        __import__(name)
-    gc.freeze()  # the ranks' collections never walk (and so never copy) what the server imported
+    with gcpause.paused():  # and frozen: the ranks' collections never walk (or copy) what it imported
+        for name in filter(None, args.get("preload", "").split(",")):
+            __import__(name)
     server_pid = os.getpid()
     request = _serve(listener)  # returns only in a forked child
     listener.close()
@@ -225,7 +224,6 @@ def _become_rank(request: Request) -> None:
         os.sched_setaffinity(0, request.affinity)
     os.environ.clear()
     os.environ.update(request.env)
-    gc.enable()
     sys.path[:] = request.path
     sys.argv = [bootstrap.__file__, *request.argv]
     _python_signal_defaults()
