@@ -87,7 +87,7 @@ DupStderr = Annotated[Optional[str], _torchrun("--duplicate-stderr-filters", "--
 PrintCompletion = Annotated[Optional[str], _torchrun("--print-completion", "--print_completion", metavar="SHELL", help="torchrun's; refused.")]
 TtyRank = Annotated[Optional[str], _torchrun("--tty-rank", metavar="R", help="In a terminal, the rank whose stdin/stdout/stderr are the terminal itself (tqdm, colours, breakpoint()). Default: 0.")]
 Force = Annotated[bool, typer.Option("--force", help="Allow more than 4 CPU processes per core.")]
-WarmStart = Annotated[Optional[bool], typer.Option("--warm-start/--fresh-start", envvar="DDPRUN_WARM_START", help="--warm-start: fork every rank from a per-node server that imported torch once (faster starts and restarts; see README for what differs). --fresh-start: a new Python process per rank, as torchrun. Default: fresh. The flag wins over DDPRUN_WARM_START.", show_default=False)]
+WarmStart = Annotated[Optional[bool], typer.Option("--warm-start/--fresh-start", envvar="DDPRUN_WARM_START", help="--warm-start: fork every rank from a per-node server that imported torch once (faster starts and restarts; see README for what differs). --fresh-start: a new Python process per rank, as torchrun. Default: warm for `ddprun train`, fresh for `ddprun run`. The flag wins over DDPRUN_WARM_START.", show_default=False)]
 
 
 def _given(ctx: typer.Context, values: dict) -> dict[str, torchrun_compat.Given]:

@@ -494,11 +494,12 @@ def _launch_choices(spec: cluster.ClusterSpec, *, features: torch_internals.Torc
 
 
 def _warm_start(options: LaunchOptions) -> dict:
-    """Warm only with --warm-start (DDPRUN_WARM_START=1) until its speed targets are met on a quiet
-    machine (BENCHMARKS.md). torchrun's --no-python runs a program, not Python: nothing to keep warm."""
+    """The bundled trainer starts warm unless --fresh-start; any other script starts fresh unless
+    --warm-start, since a script may rely on what only a fresh interpreter gives (README, "Warm
+    start"). torchrun's --no-python runs a program, not Python: nothing to keep warm."""
     entry = options.entrypoint
     trainer = entry.is_module and entry.target == TRAINER_MODULE
-    warm = bool(options.warm_start)
+    warm = trainer if options.warm_start is None else bool(options.warm_start)
     if not warm or entry.no_python:
         return {"warm_start": False, "warm_preload": []}
     return {"warm_start": True, "warm_preload": list(WARM_PRELOAD_TRAINER if trainer else WARM_PRELOAD)}

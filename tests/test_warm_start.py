@@ -128,7 +128,8 @@ def test_the_plan_says_which_mode_and_what_is_preloaded(cpu_env, tmp_path):
     script = str(SCRIPTS / "allreduce.py")
     assert launch("run", script, env=fresh)["warm_start"] is False
     assert launch("run", "--warm-start", script, env=fresh)["warm_preload"] == ["torch", "torch.distributed"]
-    assert launch("train", "--cpu", env=fresh)["warm_start"] is False  # opt-in until its targets are met
+    assert launch("train", "--cpu", env=fresh)["warm_start"] is True  # the trainer's default
+    assert launch("train", "--cpu", env=dict(fresh, DDPRUN_WARM_START="0"))["warm_start"] is False
     assert launch("train", "--cpu", "--warm-start", env=fresh)["warm_preload"][-1] == "ddprun.worker.train"
     assert launch("train", "--cpu", "--fresh-start", env=fresh)["warm_start"] is False
     assert launch("run", "--no-python", "true", env=cpu_env)["warm_start"] is False
@@ -189,3 +190,32 @@ def test_sys_exit_gives_pythons_exit_code(code, status, printed, capsys):
 
     assert exit_code(code) == status
     assert capsys.readouterr().err == printed
+
+
+def test_what_the_servers_imports_set_in_the_environment_reaches_the_rank_unless_it_has_its_own():
+    from ddprun.worker.warmserver import rank_environment
+
+    set_by_imports = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_me"}
+    assert rank_environment({"RANK": "1"}, set_by_imports) == {"RANK": "1", **set_by_imports}
+    assert rank_environment({"TORCHINDUCTOR_CACHE_DIR": "/mine"}, set_by_imports) == {"TORCHINDUCTOR_CACHE_DIR": "/mine"}
+
+
+def test_a_server_whose_imports_loaded_the_cuda_driver_serves_no_rank(tmp_path):
+    """Forked after CUDA started, a rank could not use it: the server ends (the launcher then warns
+    once and starts fresh ranks). Here a preloaded module maps a library named like the driver."""
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+
+    library = next(Path(torch.__file__).parent.joinpath("lib").glob("libgomp*.so*"))
+    shutil.copy(library, tmp_path / "libcuda.so.1")
+    (tmp_path / "starts_cuda.py").write_text(
+        f"import ctypes\nctypes.CDLL({str(tmp_path / 'libcuda.so.1')!r})\n")
+    server = subprocess.run(
+        [sys.executable, "-m", SERVER, "--socket", str(tmp_path / "s"), "--parent-pid", str(os.getpid()),
+         "--preload", "starts_cuda"],
+        env=dict(os.environ, PYTHONPATH=str(tmp_path)), capture_output=True, text=True, timeout=60)
+    assert server.returncode == 3
+    assert "CUDA was started while importing" in server.stderr

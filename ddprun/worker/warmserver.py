@@ -63,14 +63,17 @@ def main(argv: list[str] | None = None) -> None:
     bootstrap.die_with_launcher(expected_parent=int(args["parent-pid"]))
     for name in _SERVER_IGNORES:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
+    environ_before = dict(os.environ)
     with gcpause.paused():  # and frozen: the ranks' collections never walk (or copy) what it imported
         for name in filter(None, args.get("preload", "").split(",")):
             __import__(name)
+    _refuse_if_cuda_started()
+    set_by_imports = {k: v for k, v in os.environ.items() if environ_before.get(k) != v}
     server_pid = os.getpid()
     request = _serve(listener)  # returns only in a forked child
     listener.close()
     imported = list(sys.modules)
-    _become_rank(request)
+    _become_rank(request, set_by_imports=set_by_imports)
     warmexit.end(_run_rank(server_pid), imported_before=imported)
 
 
@@ -80,6 +83,28 @@ def _run_rank(server_pid: int) -> int:
     except SystemExit as exit:
         return warmexit.exit_code(exit.code)
     return 0
+
+
+def _refuse_if_cuda_started() -> None:
+    """A rank forked after CUDA started cannot use it: if an import started it (torch's lazy init,
+    or anything that loaded the driver), end here. The launcher says so once; ranks start fresh."""
+    torch = sys.modules.get("torch")
+    started = torch is not None and torch.cuda.is_initialized()
+    try:
+        with open("/proc/self/maps") as maps:
+            driver = any("libcuda.so" in line for line in maps)
+    except OSError:
+        driver = False
+    if started or driver:
+        print("ddprun warm start: CUDA was started while importing the preloaded modules; "
+              "a forked rank could not use it, so this server serves no rank", file=sys.stderr, flush=True)
+        os._exit(3)
+
+
+def rank_environment(sent: dict[str, str], set_by_imports: dict[str, str]) -> dict[str, str]:
+    """The rank's environment: its client's, plus what the server's imports set where the client's
+    has no value (torchvision's import sets TORCHINDUCTOR_CACHE_DIR, as it would in a fresh rank)."""
+    return {**set_by_imports, **sent}
 
 
 def _parse(argv: list[str]) -> dict[str, str]:
@@ -209,7 +234,7 @@ def _close_rank(rank: _Rank) -> None:
 # --- in the child: become the rank, as a fresh interpreter would be ----------------------------
 
 
-def _become_rank(request: Request) -> None:
+def _become_rank(request: Request, *, set_by_imports: dict[str, str]) -> None:
     os.setsid()  # as torch's Popen(start_new_session=True) makes every rank
     for target in (0, 1, 2):
         if target in request.fds:
@@ -223,7 +248,7 @@ def _become_rank(request: Request) -> None:
     if request.affinity is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, request.affinity)
     os.environ.clear()
-    os.environ.update(request.env)
+    os.environ.update(rank_environment(request.env, set_by_imports))
     sys.path[:] = request.path
     sys.argv = [bootstrap.__file__, *request.argv]
     _python_signal_defaults()
