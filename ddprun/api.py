@@ -104,7 +104,8 @@ def launch(fn: Callable[..., Any], *args: Any, **options: Any) -> list[Any]:
 
     Options, as the CLI's flags: nproc, gpus, cpu, max_restarts, log_dir, grace_period, port,
     keep_logs, ranks, join_timeout, forward_signals, nnodes, node_rank, master, rdzv_endpoint,
-    rdzv_id, and any newer launch option by its name. Keyword arguments for fn: functools.partial.
+    rdzv_id, warm_start (True: ranks forked from a server that imported torch once), and any
+    newer launch option by its name. Keyword arguments for fn: functools.partial.
     """
     if not callable(fn):
         raise UsageError(f"ddprun.launch: {fn!r} is not callable; pass the function to run on every rank, "

@@ -108,13 +108,18 @@ def test_a_dead_server_means_one_warning_then_fresh_ranks(cpu_env, tmp_path):
 
 
 def test_kill_9_of_ddprun_leaves_no_server(cpu_env, tmp_path):
-    job = start(dict(cpu_env, MODE="sleep"))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    job = start(dict(cpu_env, MODE="sleep", TMPDIR=str(scratch)))
     pids = worker_pids(tmp_path / "out")
     servers = {parent_of(pid) for pid in pids}
     assert all(SERVER in Path(f"/proc/{s}/cmdline").read_text().replace("\0", " ") for s in servers)
     job.kill()
     job.wait()
     assert wait_gone([*pids, *servers], timeout=3) == []
+    # Its socket lives in the job's own folder: nothing of the server's is left anywhere else.
+    assert not list(scratch.glob("ddprun-warm-*"))
+    assert list(scratch.glob("ddprun*/*/warm.sock"))
 
 
 def test_the_plan_says_which_mode_and_what_is_preloaded(cpu_env, tmp_path):
