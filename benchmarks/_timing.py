@@ -51,16 +51,26 @@ def _timed_run(argv: Sequence[str], *, cwd: Path, env: Optional[Mapping[str, str
 def interleaved(
     commands: Mapping[str, Sequence[str]], *, runs: int, warmup: int = 1,
     cwd: Path = ROOT, env: Optional[Mapping[str, str]] = None, observe: Optional[Observer] = None,
+    flaky: Optional[dict[str, int]] = None,
 ) -> dict[str, list[float]]:
     """Run every command once per round, in the given order, for `warmup` discarded rounds
     and then `runs` measured ones. A non-zero exit stops the benchmark: a failing command's
-    time means nothing."""
+    time means nothing. `flaky`: commands known to fail now and then (torchrun's restart), each
+    run again up to 3 times; the count of their failures is kept there for the report."""
     samples: dict[str, list[float]] = {name: [] for name in commands}
     for round_number in range(warmup + runs):
         for name, argv in commands.items():
             started = time.time()
             # stderr is kept (through a pipe, for every command alike) to explain a failure.
             seconds, code, err = _timed_run(argv, cwd=cwd, env=env, stderr=subprocess.PIPE)
+            for _ in range(3 if flaky is not None and name in flaky else 0):
+                if code == 0:
+                    break
+                flaky[name] += 1
+                if observe is not None:
+                    observe(name, started, seconds, False)  # its partial records are dropped
+                started = time.time()
+                seconds, code, err = _timed_run(argv, cwd=cwd, env=env, stderr=subprocess.PIPE)
             if code != 0:
                 tail = "\n".join(err.splitlines()[-20:])
                 raise SystemExit(f"{name} exited with code {code}: {' '.join(argv)}\n{tail}")
