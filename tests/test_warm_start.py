@@ -107,6 +107,15 @@ def test_a_dead_server_means_one_warning_then_fresh_ranks(cpu_env, tmp_path):
     assert all(SERVER not in (out / f"parent{r}.1").read_text() for r in (0, 1))
 
 
+def test_a_restart_forks_its_ranks_from_the_same_server(cpu_env, tmp_path):
+    result = run_ddprun(["run", "--cpu", "--max-restarts", "1", str(SCRIPTS / "server_killer.py")],
+                        env=dict(cpu_env, MODE="self"))
+    assert result.returncode == 0, result.stderr
+    assert "warm start unavailable" not in result.stderr
+    parents = {(tmp_path / "out" / f"parent{r}.{a}").read_text() for r in (0, 1) for a in (0, 1)}
+    assert len(parents) == 1 and SERVER in parents.pop()
+
+
 def test_kill_9_of_ddprun_leaves_no_server(cpu_env, tmp_path):
     scratch = tmp_path / "tmp"
     scratch.mkdir()

@@ -1,5 +1,5 @@
-"""Attempt 0: rank 1 kills its parent (under warm start, the fork server). Attempt 1: every
-rank records its parent's command line and succeeds."""
+"""Attempt 0: rank 1 kills its parent (under warm start, the fork server), or itself with
+MODE=self. Attempt 1: every rank succeeds. Each rank records "<parent pid> <its command line>"."""
 
 import os
 import signal
@@ -11,8 +11,8 @@ with open(f"/proc/{os.getppid()}/cmdline") as f:
     parent = f.read().replace("\0", " ")
 os.makedirs(os.environ["OUT_DIR"], exist_ok=True)
 with open(os.path.join(os.environ["OUT_DIR"], f"parent{rank}.{attempt}"), "w") as f:
-    f.write(parent)
+    f.write(f"{os.getppid()} {parent}")
 if attempt == 0:
     if rank == "1":
-        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid() if os.environ.get("MODE") == "self" else os.getppid(), signal.SIGKILL)
     time.sleep(60)
