@@ -16,10 +16,8 @@ import contextlib
 import functools
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from typing import Callable, Iterator, Mapping
 
 from ddprun.envnames import LAUNCHER_PID_ENV, WARM_SOCKET_ENV
@@ -28,7 +26,6 @@ from ddprun.plan import BOOTSTRAP_MODULE, LaunchPlan
 SERVER_MODULE = "ddprun.worker.warmserver"
 _STOP_WAIT_S = 2.0
 SOCKET_NAME = "warm.sock"
-_SOCKET_PATH_MAX = 100  # bytes; sun_path holds 107 and a NUL
 # Variables torch or its OpenMP/MKL runtime may read when imported. A script that sets one in
 # os.environ before `import torch` would find it already read by the warm server.
 _PREFIXES = r"(?:TORCH|PYTORCH|OMP|MKL|KMP|GOMP)_\w+"
@@ -61,10 +58,8 @@ def _settings_in_script(plan: LaunchPlan) -> tuple[str, list[str]] | None:
 
 
 class WarmServer:
-    def __init__(self, process: subprocess.Popen | None, *, socket_path: str, log_path: str,
-                 own_folder: str | None = None, why: str = "") -> None:
+    def __init__(self, process: subprocess.Popen | None, *, socket_path: str, log_path: str, why: str = "") -> None:
         self.process, self.socket_path, self.log_path, self.why = process, socket_path, log_path, why
-        self.own_folder = own_folder  # a private temp folder made for the socket, removed at the end
         self.warned = False
 
     def alive(self) -> bool:
@@ -94,11 +89,8 @@ class WarmServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if self.own_folder is not None:
-            shutil.rmtree(self.own_folder, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket_path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
 
 
 def start(plan: LaunchPlan, *, environ: Mapping[str, str], say: Callable[[str], None]) -> WarmServer | None:
@@ -115,17 +107,14 @@ def start(plan: LaunchPlan, *, environ: Mapping[str, str], say: Callable[[str], 
         say(f"note: {found[0]} sets {', '.join(found[1])} in os.environ, which torch may read when imported; "
             "warm start imports torch before the script runs, so this job starts fresh processes (--fresh-start: no note)")
         return None
-    # In the job's private (0700) folder: nothing is left elsewhere, even after a kill -9. A
-    # temporary private folder only where that path is too long for a Unix socket.
-    socket_path, own_folder = os.path.join(plan.log_dir, SOCKET_NAME), None
-    if len(os.fsencode(socket_path)) > _SOCKET_PATH_MAX:
-        own_folder = tempfile.mkdtemp(prefix="ddprun-warm-")
-        socket_path = os.path.join(own_folder, SOCKET_NAME)
+    # In the job's private (0700) folder, however deep (worker/unixsocket.py): nothing is left
+    # anywhere else, even after a kill -9.
+    socket_path = os.path.join(plan.log_dir, SOCKET_NAME)
     log_path = os.path.join(plan.log_dir, "warm_server.log")
     env = {**environ, **plan.env, **plan.launch.launcher_env, LAUNCHER_PID_ENV: str(os.getpid())}
     argv = [sys.executable, "-u", "-m", SERVER_MODULE, "--socket", socket_path,
             "--parent-pid", str(os.getpid()), "--preload", ",".join(plan.launch.warm_preload)]
-    server = functools.partial(WarmServer, socket_path=socket_path, log_path=log_path, own_folder=own_folder)
+    server = functools.partial(WarmServer, socket_path=socket_path, log_path=log_path)
     try:
         with open(log_path, "ab", opener=lambda path, flags: os.open(path, flags, 0o600)) as log:
             process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,

@@ -23,6 +23,7 @@ import socket
 import sys
 
 from ddprun.envnames import CLIENT_PID_SUFFIX, LAUNCHER_PID_ENV, PID_FILE_ENV, STACKS_SIGNAL_OFFSET, WARM_SOCKET_ENV
+from ddprun.worker import unixsocket
 
 BOOTSTRAP_MODULE = "ddprun.worker.bootstrap"
 _PR_SET_PDEATHSIG = 1
@@ -72,7 +73,8 @@ def _handed_over(path: str, args: list[str]) -> socket.socket | None:
     }
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        conn.connect(path)
+        with unixsocket.address(path) as name:
+            conn.connect(name)
         socket.send_fds(conn, [json.dumps(request).encode()], fds)
         reply = conn.recv(4096)
     except OSError:

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ddprun import gcpause
-from ddprun.worker import bootstrap, warmexit
+from ddprun.worker import bootstrap, unixsocket, warmexit
 
 _MAX_REQUEST = 1 << 20
 _POLL_S = 0.1  # where os.pidfd_open is missing: how often exited children are looked for
@@ -114,7 +114,8 @@ def _parse(argv: list[str]) -> dict[str, str]:
 
 def _listen(path: str) -> socket.socket:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
+    with unixsocket.address(path) as name:
+        listener.bind(name)
     os.chmod(path, 0o600)
     listener.listen(4096)
     return listener
