@@ -27,6 +27,9 @@ def render_plan(plan: LaunchPlan) -> Panel:
         table.add_row("local rank " + str(local_rank), escape(label))
     table.add_row("rendezvous", escape(_endpoint_text(plan)))
     table.add_row("logs", escape(plan.log_dir))
+    if plan.launch.warm_start:
+        table.add_row("start", "warm: every rank forked from one server that imports torch once (--fresh-start: "
+                               "a new Python process per rank)")
     for name in sorted(plan.source):
         if plan.source[name] != "default" and not plan.source[name].startswith("--"):
             table.add_row("detected", escape(f"{name} from {plan.source[name]}"))

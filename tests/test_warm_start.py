@@ -81,12 +81,14 @@ def test_a_warm_rank_sees_what_a_fresh_interpreter_would(cpu_env, tmp_path):
         assert rank_seen["blocked"] == []
     assert seen[0]["random"] != seen[1]["random"]
     assert "[rank 1] hello from 1" in result.stdout
+    assert "warm: every rank forked from one server" in " ".join(result.stderr.split())  # the panel says so
 
 
 def test_the_same_script_fresh_sees_no_server(cpu_env, tmp_path):
     env = dict(cpu_env, DDPRUN_WARM_START="0")
     result = run_ddprun(["run", "--cpu", str(SCRIPTS / "fresh_interpreter.py")], env=env)
     assert result.returncode == 0, result.stderr
+    assert "warm:" not in result.stderr
     for rank_seen in ranks_seen(tmp_path / "out"):
         assert not rank_seen["preloaded"] and SERVER not in rank_seen["parent"]
 
