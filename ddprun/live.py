@@ -24,7 +24,9 @@ _POLL_S = 0.25
 
 @contextlib.contextmanager
 def progress_bar(console: Console, *, path: str) -> Iterator[None]:
-    """Draw the bar while the job runs, when both stdout and stderr are a terminal."""
+    """Draw the bar while the job runs, when both stdout and stderr are a terminal, from the first
+    record on: a job that sends none (any script but the trainer) never gets a live display that
+    would clear the line the console rank is writing to the terminal."""
     if not (console.is_terminal and sys.stdout.isatty()):
         yield
         return
@@ -36,13 +38,14 @@ def progress_bar(console: Console, *, path: str) -> Iterator[None]:
     )
     done = threading.Event()
     follower = threading.Thread(target=_follow, args=(path, bar, done), name="ddprun-progress", daemon=True)
-    with bar:
-        follower.start()
-        try:
-            yield
-        finally:
-            done.set()
-            follower.join(timeout=1)
+    follower.start()
+    try:
+        yield
+    finally:
+        done.set()
+        follower.join(timeout=1)
+        if bar.live.is_started:
+            bar.stop()
 
 
 def _follow(path: str, bar: Progress, done: threading.Event) -> None:
@@ -62,6 +65,7 @@ def _follow(path: str, bar: Progress, done: threading.Event) -> None:
             if record is None:
                 continue
             if task is None:
+                bar.start()
                 task = bar.add_task("train", total=record["total"], epoch="-", loss="-", speed="-")
             bar.update(task, completed=record["step"], total=record["total"], epoch=record["epoch"],
                        loss=f"{record['loss']:.4f}", speed=f"{record['speed']:,.0f}")

@@ -148,3 +148,4 @@ def test_in_a_terminal_the_console_rank_gets_the_terminal(cpu_env, tmp_path):
     assert seen[0]["tty"] == [True, True] and seen[1]["tty"][1] is False
     text = output.decode(errors="replace")
     assert "hello from 0" in text and "[rank 1] hello from 1" in text and "[rank 0] hello from 0" not in text
+    assert "\x1b[2K" not in text  # no live display (for the trainer's bar only) clears rank 0's lines
