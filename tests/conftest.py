@@ -40,6 +40,28 @@ def cpu_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+def run_ddprun_on_a_terminal(args: list[str], *, env: dict[str, str], cwd: Path | None = None) -> tuple[int, str]:
+    """`ddprun ARGS` with a pseudo-terminal as its stdin, stdout and stderr: (exit code, all it wrote)."""
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child
+        if cwd is not None:
+            os.chdir(cwd)
+        os.execve(ddprun_command()[0], ddprun_command() + args, env)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # EIO: the terminal's last writer is gone
+            break
+        if not chunk:
+            break
+        output += chunk
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), output.decode(errors="replace")
+
+
 def run_ddprun(args: list[str], *, env: dict[str, str], timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         ddprun_command() + args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,

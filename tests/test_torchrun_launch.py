@@ -5,15 +5,13 @@ rank sees, a failing worker), the seed's command twice at once, and the rows of 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
-from conftest import ddprun_command, run_ddprun
+from conftest import ddprun_command, run_ddprun, run_ddprun_on_a_terminal
 
 SEED = ["--nproc_per_node=2", "--nnodes=1", "--rdzv_id=123", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:29500"]
 
@@ -126,26 +124,10 @@ def test_elastic_one_node_of_two_starts_after_last_call_timeout(cpu_env, tmp_pat
 
 
 def test_in_a_terminal_the_console_rank_gets_the_terminal(cpu_env, tmp_path):
-    import pty
-
     _script(tmp_path)
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: ddprun on a pseudo-terminal (stdin, stdout and stderr)
-        os.chdir(tmp_path)
-        os.execve(ddprun_command()[0], ddprun_command() + ["run", "--nproc_per_node=2", "envcheck.py"], cpu_env)
-    output = b""
-    while True:
-        try:
-            chunk = os.read(fd, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        output += chunk
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, output.decode(errors="replace")
+    code, text = run_ddprun_on_a_terminal(["run", "--nproc_per_node=2", "envcheck.py"], env=cpu_env, cwd=tmp_path)
+    assert code == 0, text
     seen = _seen(tmp_path)
     assert seen[0]["tty"] == [True, True] and seen[1]["tty"][1] is False
-    text = output.decode(errors="replace")
     assert "hello from 0" in text and "[rank 1] hello from 1" in text and "[rank 0] hello from 0" not in text
     assert "\x1b[2K" not in text  # no live display (for the trainer's bar only) clears rank 0's lines

@@ -111,27 +111,11 @@ def test_null_reporter_is_silent(capsys):
 def test_the_launcher_draws_the_trainers_bar_in_a_terminal(cpu_env):
     """A real `ddprun train` on a pseudo-terminal: rank 0 feeds the launcher, which draws the bar
     from the first record on; rank 0's summary reaches the terminal too."""
-    import os
-    import pty
-
-    from conftest import ddprun_command
+    from conftest import run_ddprun_on_a_terminal
 
     args = ["train", "--cpu", "--nproc", "2", "--model", "mlp", "--image-size", "8", "--batch-size", "8",
             "--dataset-size", "100000", "--max-steps", "3000"]
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.execve(ddprun_command()[0], ddprun_command() + args, dict(cpu_env, OMP_NUM_THREADS="1"))
-    output = b""
-    while True:
-        try:
-            chunk = os.read(fd, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        output += chunk
-    _, status = os.waitpid(pid, 0)
-    text = output.decode(errors="replace")
-    assert os.waitstatus_to_exitcode(status) == 0, text[-3000:]
+    code, text = run_ddprun_on_a_terminal(args, env=dict(cpu_env, OMP_NUM_THREADS="1"))
+    assert code == 0, text[-3000:]
     assert "/3000" in text and "\x1b[2K" in text  # the bar's "step N/3000", redrawn in place
     assert "samples/s (global)" in text
