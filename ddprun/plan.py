@@ -244,7 +244,7 @@ def build_plan(
                                        grace_period_s=options.grace_period_s, workers_master=workers_master,
                                        extra_signals=options.torchrun.signals_to_handle),
                        store_port_fallback=local is not None and options.port is None,
-                       **_warm_start(options)),
+                       **_warm_start(options, features)),
         console=_console(options, env=env, terminal=terminal, world=world),
         user_rdzv_id=str(spec.rdzv_id.value) if spec.rdzv_id and not spec.is_multi_node() else (
             options.cluster.rdzv_id if local else None),
@@ -493,13 +493,15 @@ def _launch_choices(spec: cluster.ClusterSpec, *, features: torch_internals.Torc
     )
 
 
-def _warm_start(options: LaunchOptions) -> dict:
-    """The bundled trainer starts warm unless --fresh-start; any other script starts fresh unless
-    --warm-start, since a script may rely on what only a fresh interpreter gives (README, "Warm
-    start"). torchrun's --no-python runs a program, not Python: nothing to keep warm."""
+def _warm_start(options: LaunchOptions, features: torch_internals.TorchFeatures) -> dict:
+    """The bundled trainer starts warm unless --fresh-start (on the torch releases where that was
+    verified); any other script starts fresh unless --warm-start, since a script may rely on what
+    only a fresh interpreter gives (README, "Warm start"). torchrun's --no-python runs a program,
+    not Python: nothing to keep warm."""
     entry = options.entrypoint
     trainer = entry.is_module and entry.target == TRAINER_MODULE
-    warm = trainer if options.warm_start is None else bool(options.warm_start)
+    default = trainer and features.warm_trainer_by_default
+    warm = default if options.warm_start is None else bool(options.warm_start)
     if not warm or entry.no_python:
         return {"warm_start": False, "warm_preload": []}
     return {"warm_start": True, "warm_preload": list(WARM_PRELOAD_TRAINER if trainer else WARM_PRELOAD)}

@@ -32,6 +32,7 @@ _LIBUV_LISTEN_FD_SINCE = (2, 8)
 # torch's DynamicRendezvousHandler shares one worker store server per node (created by the
 # agent, listening on every interface) unless this variable is "1"; read since torch 2.5.
 DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_WARM_TRAINER_VERIFIED = (2, 14)
 
 
 # --- the installed torch, without importing it ----------------------------------------------
@@ -80,6 +81,10 @@ class TorchFeatures:
     launcher_handles_signals: bool  # LaunchConfig.signals_to_handle (else torch takes SIGHUP, SIGQUIT)
     launcher_shutdown_timeout: bool  # LaunchConfig.shutdown_timeout (else torch waits 30 s)
     shared_store_switch: bool  # DISABLE_SHARED_STORE_ENV is read
+    # The trainer starts warm by default. Verified on 2.14.1 (48 warm runs of its many-bucket
+    # shared-memory test under load: none hung). On 2.4.0, 3 of 48 such runs left rank 1 in
+    # destroy_process_group for good (fresh: 0 of 24). Not run on the releases between: fresh.
+    warm_trainer_by_default: bool
 
 
 def features_for(text: str) -> TorchFeatures:
@@ -90,6 +95,7 @@ def features_for(text: str) -> TorchFeatures:
         launcher_handles_signals=version >= (2, 10),
         launcher_shutdown_timeout=version >= (2, 12),
         shared_store_switch=version >= (2, 5),
+        warm_trainer_by_default=version >= _WARM_TRAINER_VERIFIED,
     )
 
 

@@ -59,6 +59,7 @@ def test_the_feature_table_matches_what_the_wheels_hold():
     assert ti.features_for("2.8.0").store_implementation == "libuv"
     assert not old.launcher_handles_signals and new.launcher_handles_signals
     assert not ti.features_for("2.11.0").launcher_shutdown_timeout and new.launcher_shutdown_timeout
+    assert not old.warm_trainer_by_default and new.warm_trainer_by_default
 
 
 def test_the_installed_version_comes_from_metadata_without_importing_torch():
