@@ -5,6 +5,7 @@ Commands being compared run in turns (A B A B ...), so a busy or cold machine sl
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -80,6 +81,13 @@ def interleaved(
             if observe is not None:
                 observe(name, started, seconds, measured)
     return samples
+
+
+def take_records(path: Path) -> list[dict]:
+    """The JSON lines the ranks of one run appended to `path`, which is then removed for the next run."""
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    path.unlink(missing_ok=True)
+    return records
 
 
 def load_average() -> str:

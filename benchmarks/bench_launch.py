@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import interleaved, load_average, machine, stats, torch_version, venv_command  # noqa: E402
+from _timing import interleaved, load_average, machine, stats, take_records, torch_version, venv_command  # noqa: E402
 
 # The 2-process job. Each rank appends its time stamps, one JSON line, to $STAMPS.
 JOB = """\
@@ -107,8 +107,7 @@ class Phases:
         self.rows: dict[str, list[dict[str, float]]] = {}
 
     def __call__(self, name: str, started: float, seconds: float, measured: bool) -> None:
-        ranks = [json.loads(line) for line in self.stamps.read_text().splitlines()] if self.stamps.exists() else []
-        self.stamps.unlink(missing_ok=True)
+        ranks = take_records(self.stamps)
         if not measured:
             return
         if len(ranks) != 2:

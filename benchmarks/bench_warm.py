@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import ROOT, interleaved, load_average, machine, torch_version, venv_command  # noqa: E402
+from _timing import ROOT, interleaved, load_average, machine, take_records, torch_version, venv_command  # noqa: E402
 
 # Each rank appends one JSON line of time stamps to $STAMPS; MODE=restart: rank 1 dies once.
 JOB = """\
@@ -90,8 +90,7 @@ class Stamps:
         self.rows: dict[str, list[dict[str, float]]] = {}
 
     def __call__(self, name: str, started: float, seconds: float, measured: bool) -> None:
-        ranks = [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
-        self.path.unlink(missing_ok=True)
+        ranks = take_records(self.path)
         if not measured or not ranks:
             return
         first = [r for r in ranks if r["attempt"] == 0]
@@ -116,8 +115,7 @@ class FirstSteps(Stamps):
     """After each run of the train group: when rank 0 and the last rank ended their first optimizer step."""
 
     def __call__(self, name: str, started: float, seconds: float, measured: bool) -> None:
-        ranks = [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
-        self.path.unlink(missing_ok=True)
+        ranks = take_records(self.path)
         if not measured:
             return
         if len(ranks) < 2:
